@@ -1,0 +1,26 @@
+"""The `adaptiveload` command. Each subcommand lives in its own module of this package and
+exposes `register(subparsers)`, which adds its parser and sets `func(args) -> int`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Module names under lightning_adaptiveload.cli, in the order `--help` lists them.
+COMMANDS = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaptiveload",
+        description="Plan, simulate and train video DiTs with AdaptiveLoad bucketing.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,1 @@
+"""Examples for lightning-adaptiveload (importable as `examples.*` from the repository root)."""

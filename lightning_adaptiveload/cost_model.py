@@ -1,0 +1,376 @@
+"""Step-time cost model t(B, S) in ms, fitted to shape benchmarks, and the M_comp rule.
+
+B is the batch size (samples), S the tokens per sample. Forms (all parameters > 0):
+
+- "power" (the paper):      t = a + b * B * S^p
+- "linear_quadratic" (FLOPs): t = a + c1 * B*S + c2 * B*S^2
+  (projections/MLP scale with tokens B*S, self-attention with B*S^2)
+- "floor_work" (roofline-like): t = (floor^k + work^k)^(1/k), work = c1 * B*S + c2 * B*S^2,
+  a smooth max of a launch/latency floor (small shapes leave the GPU under-used, so time stays
+  flat) and the FLOP work; k > 1 sets how sharp the knee is (k -> inf is max(floor, work)).
+
+Fits minimise relative error, residuals (pred - t) / t, with scipy's nonlinear least squares.
+Held-out error is leave-one-out cross-validation (k-fold for large sets, see `_folds`), so
+form="auto" picks the form that predicts unseen shapes best, not the one with most parameters.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares, nnls
+
+FORMAT = "adaptiveload.cost_model"
+VERSION = 1
+FORMS = ("power", "linear_quadratic", "floor_work")  # "auto" prefers the earlier form on ties
+PARAM_NAMES = {
+    "power": ("a", "b", "p"),
+    "linear_quadratic": ("a", "c1", "c2"),
+    "floor_work": ("floor", "c1", "c2", "k"),
+}
+QUALITY_KEYS = ("r2", "mean_rel_err", "max_rel_err", "heldout_mean_rel_err", "heldout_max_rel_err")
+MAX_LOO_POINTS = 64  # above this, cross-validation uses K_FOLDS folds instead of leave-one-out
+K_FOLDS = 16
+_LOG_MIN, _LOG_MAX = -80.0, 80.0  # bounds on log-parameters, keep exp() finite
+_P_BOUNDS = (0.05, 4.0)
+_K_MAX = 64.0
+
+
+# --- forms: each maps a parameter dict and (B, S) float arrays to time (ms) ---------------
+
+def _predict_power(params: dict, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return params["a"] + params["b"] * b * s ** params["p"]
+
+
+def _predict_linear_quadratic(params: dict, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return params["a"] + params["c1"] * b * s + params["c2"] * b * s * s
+
+
+def _predict_floor_work(params: dict, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    floor, k = params["floor"], params["k"]
+    work = params["c1"] * b * s + params["c2"] * b * s * s
+    top = np.maximum(floor, work)  # factor out the larger term so x^k cannot overflow
+    return top * ((floor / top) ** k + (work / top) ** k) ** (1.0 / k)
+
+
+_PREDICT = {"power": _predict_power, "linear_quadratic": _predict_linear_quadratic,
+            "floor_work": _predict_floor_work}
+
+
+# --- fitting: parameters are optimised in an unconstrained-ish space x ----------------------
+# Positive scale parameters as log(value); power's p as itself; floor_work's k as log(k - 1).
+
+def _to_params(form: str, x: np.ndarray) -> dict:
+    if form == "power":
+        return {"a": math.exp(x[0]), "b": math.exp(x[1]), "p": float(x[2])}
+    if form == "linear_quadratic":
+        return dict(zip(PARAM_NAMES[form], (math.exp(v) for v in x)))
+    return {"floor": math.exp(x[0]), "c1": math.exp(x[1]), "c2": math.exp(x[2]), "k": 1.0 + math.exp(x[3])}
+
+
+def _to_x(form: str, params: dict) -> np.ndarray:
+    tiny = math.exp(_LOG_MIN)
+    if form == "power":
+        return np.array([math.log(max(params["a"], tiny)), math.log(params["b"]), params["p"]])
+    if form == "linear_quadratic":
+        return np.log(np.maximum([params["a"], params["c1"], params["c2"]], tiny))
+    return np.array([math.log(params["floor"]), math.log(max(params["c1"], tiny)),
+                     math.log(max(params["c2"], tiny)), math.log(max(params["k"] - 1.0, tiny))])
+
+
+def _bounds(form: str) -> tuple[list[float], list[float]]:
+    n = len(PARAM_NAMES[form])
+    lo, hi = [_LOG_MIN] * n, [_LOG_MAX] * n
+    if form == "power":
+        lo[2], hi[2] = _P_BOUNDS
+    if form == "floor_work":
+        lo[3], hi[3] = -10.0, math.log(_K_MAX - 1.0)
+    return lo, hi
+
+
+def _starts(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> list[dict]:
+    """Initial guesses from the data scale; several for the shape parameters (p, k)."""
+    tokens = b * s
+    if form == "power":
+        a = 0.5 * float(t.min())
+        return [{"a": a, "b": float(np.median(np.maximum(t - a, 1e-3 * t) / (b * s ** p))), "p": p}
+                for p in (1.0, 1.5, 2.0)]
+    # c1, c2: non-negative least squares of t on (B*S, B*S^2), rows weighted by 1/t (relative error)
+    design = np.stack([tokens, tokens * s], axis=1) / t[:, None]
+    scale = design.max(axis=0)
+    coef, _ = nnls(design / scale, np.ones_like(t))
+    c1, c2 = coef / scale  # a zero coefficient is clamped to a tiny positive one by _to_x
+    if form == "linear_quadratic":
+        return [{"a": 0.5 * float(t.min()), "c1": float(c1), "c2": float(c2)}]
+    return [{"floor": float(np.median(t[tokens <= np.median(tokens)])), "c1": float(c1), "c2": float(c2), "k": k}
+            for k in (2.0, 8.0)]
+
+
+def _least_squares(form: str, b, s, t, starts: list[dict]) -> dict:
+    predict = _PREDICT[form]
+
+    def residuals(x):
+        return (predict(_to_params(form, x), b, s) - t) / t
+
+    lo, hi = _bounds(form)
+    best = None
+    for start in starts:
+        x0 = np.clip(_to_x(form, start), lo, hi)
+        result = least_squares(residuals, x0, bounds=(lo, hi), method="trf", x_scale="jac", max_nfev=2000)
+        if best is None or result.cost < best.cost:
+            best = result
+    return _to_params(form, best.x)
+
+
+def _folds(n: int, b: np.ndarray, s: np.ndarray) -> list[np.ndarray]:
+    """Held-out index sets: leave-one-out for n <= MAX_LOO_POINTS, else K_FOLDS folds where the
+    point of rank r in (S, B) order goes to fold r % K_FOLDS (deterministic, input-order free)."""
+    if n <= MAX_LOO_POINTS:
+        return [np.array([i]) for i in range(n)]
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.lexsort((b, s))] = np.arange(n)
+    return [np.flatnonzero(rank % K_FOLDS == f) for f in range(K_FOLDS)]
+
+
+def _rel_err(pred: np.ndarray, t: np.ndarray) -> np.ndarray:
+    return np.abs(pred - t) / t
+
+
+def _fit_form(form: str, b, s, t) -> tuple[dict, dict]:
+    """Fit one form on all points; return (params, quality) with cross-validated held-out error."""
+    params = _least_squares(form, b, s, t, _starts(form, b, s, t))
+    pred = _PREDICT[form](params, b, s)
+    heldout = np.empty_like(t)
+    for idx in _folds(len(t), b, s):
+        keep = np.ones(len(t), dtype=bool)
+        keep[idx] = False
+        # warm start from the full fit: deterministic, and far cheaper than a fresh multistart
+        fold_params = _least_squares(form, b[keep], s[keep], t[keep], [params])
+        heldout[idx] = _rel_err(_PREDICT[form](fold_params, b[idx], s[idx]), t[idx])
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    rel = _rel_err(pred, t)
+    quality = {
+        "r2": 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
+        "mean_rel_err": float(rel.mean()),
+        "max_rel_err": float(rel.max()),
+        "heldout_mean_rel_err": float(heldout.mean()),
+        "heldout_max_rel_err": float(heldout.max()),
+    }
+    return params, quality
+
+
+def _check_measurements(batch_sizes, seq_lens, times_ms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    arrays = []
+    for name, values in (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("times_ms", times_ms)):
+        a = np.asarray(values, dtype=np.float64)
+        if a.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        if not np.all(np.isfinite(a)) or not np.all(a > 0):
+            bad = a[~(np.isfinite(a) & (a > 0))][:3].tolist()
+            raise ValueError(f"{name} must be finite and > 0, got {bad}")
+        arrays.append(a)
+    if not len(arrays[0]) == len(arrays[1]) == len(arrays[2]):
+        raise ValueError(f"batch_sizes, seq_lens, times_ms must have equal length, got "
+                         f"{len(arrays[0])}, {len(arrays[1])}, {len(arrays[2])}")
+    return tuple(arrays)
+
+
+class CostModel:
+    """A fitted step-time model t(B, S) in ms. See the module docstring for the forms."""
+
+    def __init__(self, form: str, params: dict, p: float, quality: dict, candidates: dict | None = None):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        if set(params) != set(PARAM_NAMES[form]):
+            raise ValueError(f"form {form!r} needs params {PARAM_NAMES[form]}, got {sorted(params)}")
+        self.form = form
+        self.params = {name: float(params[name]) for name in PARAM_NAMES[form]}
+        self.p = float(p)  # exponent of the paper's power form on the same data (dual-constraint rule)
+        self.quality = dict(quality)
+        self.candidates = candidates or {}  # form -> {"params", "quality"} of every form fitted
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v:.4g}" for k, v in self.params.items())
+        return f"CostModel(form={self.form!r}, {params}, p={self.p:.4g})"
+
+    @classmethod
+    def fit(cls, batch_sizes, seq_lens, times_ms, form: str = "auto") -> "CostModel":
+        """Fit t(B, S) ms to measurements (1-D arrays of equal length, all > 0).
+
+        form: one of FORMS, or "auto" for the lowest cross-validated mean relative error.
+        Each form needs at least (its parameter count + 2) points so that every held-out
+        fold still has more points than parameters. The power form is always fitted too, to set p.
+        """
+        b, s, t = _check_measurements(batch_sizes, seq_lens, times_ms)
+        if form != "auto" and form not in FORMS:
+            raise ValueError(f"form must be 'auto' or one of {FORMS}, got {form!r}")
+        wanted = [f for f in FORMS if form in ("auto", f) or f == "power"]
+        enough = [f for f in wanted if len(t) >= len(PARAM_NAMES[f]) + 2]
+        if "power" not in enough or (form != "auto" and form not in enough):
+            need = max(len(PARAM_NAMES[f]) + 2 for f in ({"power", form} - {"auto"}))
+            raise ValueError(f"need at least {need} measurements to fit form {form!r}, got {len(t)}")
+        candidates = {}
+        for f in enough:
+            params, quality = _fit_form(f, b, s, t)
+            candidates[f] = {"params": params, "quality": quality}
+        if form == "auto":
+            form = min(candidates, key=lambda f: (candidates[f]["quality"]["heldout_mean_rel_err"], FORMS.index(f)))
+        chosen = candidates[form]
+        return cls(form, chosen["params"], candidates["power"]["params"]["p"], chosen["quality"], candidates)
+
+    def predict(self, batch_size, seq_len):
+        """Step time in ms; scalars give a float, arrays broadcast and give an array."""
+        b = np.asarray(batch_size, dtype=np.float64)
+        s = np.asarray(seq_len, dtype=np.float64)
+        t = _PREDICT[self.form](self.params, b, s)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def m_comp(self, m_mem: int, ref_seq_len: int) -> float:
+        """Compute budget (tokens^p) for the dual-constraint rule: B_ref * S_ref^p with
+        S_ref = ref_seq_len (the longest bucket that will be scheduled) and
+        B_ref = max(1, m_mem // S_ref), the batch that bucket gets at the memory limit.
+        No bucket then gets more compute than that straggler, so B * S^p is equalised against it."""
+        for name, value in (("m_mem", m_mem), ("ref_seq_len", ref_seq_len)):
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        b_ref = max(1, int(m_mem) // int(ref_seq_len))
+        # the slack keeps floor(M_comp / S_ref^p) == B_ref despite float rounding
+        return b_ref * float(ref_seq_len) ** self.p * (1.0 + 1e-9)
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON (see docs/cost_model.md for the format)."""
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "form": self.form,
+            "params": self.params,
+            "p": self.p,
+            "quality": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                        for k, v in self.quality.items()},
+        }
+        Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_json(cls, path) -> "CostModel":
+        """Read a model written by to_json; ValueError naming the file for anything malformed."""
+        return _model_from_doc(_read_json(path), str(path))
+
+
+def _read_json(path) -> object:
+    def reject_constant(name):
+        raise ValueError(f"{path}: non-standard JSON constant {name}")
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return json.loads(text, parse_constant=reject_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _model_from_doc(doc, where: str) -> CostModel:
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{where}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
+    missing = [k for k in ("version", "form", "params", "p", "quality") if k not in doc]
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}")
+    if doc["version"] != VERSION or isinstance(doc["version"], bool):
+        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {VERSION})")
+    form = doc["form"]
+    if form not in FORMS:
+        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
+    params = doc["params"]
+    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES[form]):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(PARAM_NAMES[form])}, got {got}")
+    for name, value in params.items():
+        if not _finite_number(value) or value < 0:
+            raise ValueError(f"{where}: params[{name!r}] must be a finite number >= 0, got {value!r}")
+    if form == "floor_work" and not params["k"] >= 1:
+        raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
+    if not _finite_number(doc["p"]) or doc["p"] <= 0:
+        raise ValueError(f"{where}: 'p' must be a finite number > 0, got {doc['p']!r}")
+    quality = doc["quality"]
+    if not isinstance(quality, dict):
+        raise ValueError(f"{where}: 'quality' must be an object, got {type(quality).__name__}")
+    for key in QUALITY_KEYS:
+        if key not in quality:
+            raise ValueError(f"{where}: 'quality' is missing {key!r}")
+        if quality[key] is not None and not _finite_number(quality[key]):
+            raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {quality[key]!r}")
+    quality = {k: (float("nan") if v is None else v) for k, v in quality.items()}
+    return CostModel(form, params, doc["p"], quality)
+
+
+def read_measurements(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(batch_sizes, seq_lens, times_ms) float64 arrays of a measurements JSON
+    {"measurements": [{"batch_size", "seq_len", "time_ms", ...}, ...]}."""
+    doc = _read_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("measurements"), list) or not doc["measurements"]:
+        raise ValueError(f"{path}: expected an object with a non-empty 'measurements' list")
+    rows = []
+    for i, m in enumerate(doc["measurements"]):
+        if not isinstance(m, dict):
+            raise ValueError(f"{path}: measurements[{i}] must be an object, got {type(m).__name__}")
+        row = []
+        for key in ("batch_size", "seq_len", "time_ms"):
+            if key not in m:
+                raise ValueError(f"{path}: measurements[{i}] is missing {key!r}")
+            if not _finite_number(m[key]) or m[key] <= 0:
+                raise ValueError(f"{path}: measurements[{i}][{key!r}] must be a finite number > 0, got {m[key]!r}")
+            row.append(float(m[key]))
+        rows.append(row)
+    b, s, t = np.asarray(rows, dtype=np.float64).T
+    return b, s, t
+
+
+def load_cost_model(path, form: str = "auto") -> CostModel:
+    """A fitted-model JSON (format adaptiveload.cost_model), or a measurements JSON that is
+    fitted on the fly with `form`."""
+    doc = _read_json(path)
+    if isinstance(doc, dict) and "format" in doc:
+        return _model_from_doc(doc, str(path))
+    if isinstance(doc, dict) and "measurements" in doc:
+        return CostModel.fit(*read_measurements(path), form=form)
+    raise ValueError(f"{path}: neither a cost model (needs \"format\": {FORMAT!r}) "
+                     f"nor a measurements file (needs a 'measurements' list)")
+
+
+def plot_fit(model: CostModel, batch_sizes, seq_lens, times_ms, path) -> None:
+    """PNG: measured step time (markers) and the model (lines) against B, one colour per S, log
+    axes; and the relative error of each point against B*S."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b, s, t = _check_measurements(batch_sizes, seq_lens, times_ms)
+    fig, (ax_fit, ax_err) = plt.subplots(1, 2, figsize=(13, 5.5))
+    colors = plt.cm.viridis(np.linspace(0, 0.95, len(np.unique(s))))
+    for color, seq in zip(colors, np.unique(s)):
+        on = s == seq
+        grid = np.geomspace(b[on].min(), b[on].max(), 50) if on.sum() > 1 else b[on]
+        ax_fit.plot(b[on], t[on], "o", color=color, label=f"S={int(seq)}")
+        ax_fit.plot(grid, model.predict(grid, np.full_like(grid, seq)), "-", color=color)
+        ax_err.plot(b[on] * seq, 100 * (model.predict(b[on], s[on]) - t[on]) / t[on], "o", color=color)
+    ax_fit.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="step time (ms)",
+               title=f"{model.form}: " + ", ".join(f"{k}={v:.3g}" for k, v in model.params.items()))
+    ax_fit.legend(fontsize=7, ncol=2)
+    q = model.quality
+    ax_err.axhline(0, color="gray", lw=0.8)
+    ax_err.set(xscale="log", xlabel="tokens B*S", ylabel="(predicted - measured) / measured (%)",
+               title=f"mean {100 * q.get('mean_rel_err', float('nan')):.1f}%, max "
+                     f"{100 * q.get('max_rel_err', float('nan')):.1f}%, held-out mean "
+                     f"{100 * q.get('heldout_mean_rel_err', float('nan')):.1f}%")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

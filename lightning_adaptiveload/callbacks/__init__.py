@@ -1,0 +1,2 @@
+"""Lightning callbacks of the suite, one module each."""
+from lightning_adaptiveload.callbacks.balance import LoadBalanceMonitor

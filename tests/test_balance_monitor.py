@@ -1,0 +1,170 @@
+"""Single-process runs of LoadBalanceMonitor, and its statistics against fp64 formulas."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_adaptiveload.callbacks import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.balance import (
+    CSV_NAME, META_NAME, batch_samples_and_seq_len, cross_rank_stats, temporal_cv,
+)
+
+# (B, T, H, W) of each batch; tokens per sample = T * (H // 2) * (W // 2) (patch 1x2x2).
+SHAPES = [(4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12), (3, 2, 8, 8), (2, 1, 8, 12), (1, 4, 8, 8), (4, 1, 4, 8)]
+
+
+def _batches(seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (b, t, h, w) in enumerate(SHAPES):
+        out.append({"latents": torch.randn(b, 4, t, h, w, generator=g), "seq_len": t * (h // 2) * (w // 2),
+                    "keys": [f"s{i}_{j}" for j in range(b)]})
+    return out
+
+
+class TinyModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        x = batch["latents"].movedim(1, -1)
+        loss = ((self.proj(x) - x.flip(-1)) ** 2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class TinyData(pl.LightningDataModule):
+    def __init__(self, cost_model=None):
+        super().__init__()
+        self.cost_model = cost_model
+        self.skipped = {"bad_ndim": 2, "truncated": 1}
+
+    def train_dataloader(self):
+        return DataLoader(_batches(), batch_size=None, shuffle=False)
+
+
+class AffineCost:
+    """Stands in for CostModel: predict(B, S) ms."""
+
+    def predict(self, batch_size, seq_len):
+        return 1.5 + 0.01 * batch_size * seq_len ** 1.3
+
+
+def _fit(tmp_path, monitor, datamodule, accumulate=1, log_every=3, epochs=1):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=CSVLogger(tmp_path, name="run"),
+                         log_every_n_steps=log_every, accumulate_grad_batches=accumulate,
+                         callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(TinyModel(), datamodule=datamodule)
+    return trainer
+
+
+def _read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_batch_samples_and_seq_len_variants():
+    lat = torch.zeros(3, 4, 1, 2, 2)
+    assert batch_samples_and_seq_len({"latents": lat, "seq_len": 7}) == (3, 21, 7)
+    assert batch_samples_and_seq_len({"latents": lat, "seq_len": torch.tensor(7)}) == (3, 21, 7)
+    assert batch_samples_and_seq_len({"keys": ["a", "b", "c"], "seq_len": torch.tensor([5, 9, 2])}) == (3, 16, 9)
+    with pytest.raises(KeyError, match="seq_len"):
+        batch_samples_and_seq_len({"latents": lat})
+    with pytest.raises(KeyError, match="latents"):
+        batch_samples_and_seq_len({"seq_len": 3})
+    with pytest.raises(ValueError, match="2 entries for 3 samples"):
+        batch_samples_and_seq_len({"latents": lat, "seq_len": [1, 2]})
+
+
+def test_cross_rank_stats_match_fp64_formulas():
+    rng = np.random.default_rng(3)
+    values = rng.uniform(0.5, 20.0, size=(5, 11))
+    got = cross_rank_stats(values)
+    for i in range(values.shape[1]):
+        col = [float(v) for v in values[:, i]]
+        mean = statistics.fmean(col)
+        assert got["cv"][i] == pytest.approx(statistics.pstdev(col) / mean, rel=1e-12)
+        assert got["max_over_mean"][i] == pytest.approx(max(col) / mean, rel=1e-12)
+        assert got["bubble"][i] == pytest.approx(1 - mean / max(col), rel=1e-12)
+    zeros = cross_rank_stats(np.zeros((2, 3)))
+    assert all(np.all(v == 0) for v in zeros.values())
+    assert temporal_cv([4.0]) == 0.0
+    seq = rng.uniform(1, 3, size=9).tolist()
+    assert temporal_cv(seq) == pytest.approx(statistics.pstdev(seq) / statistics.fmean(seq), rel=1e-12)
+
+
+def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys):
+    monitor = LoadBalanceMonitor(window=4)
+    trainer = _fit(tmp_path, monitor, TinyData(cost_model=AffineCost()))
+    log_dir = trainer.logger.log_dir
+
+    rows = _read_csv(f"{log_dir}/{CSV_NAME}")
+    assert [int(r["step"]) for r in rows] == list(range(len(SHAPES)))
+    assert {r["rank"] for r in rows} == {"0"}
+    cost = AffineCost()
+    for r, (b, t, h, w) in zip(rows, SHAPES):
+        s = t * (h // 2) * (w // 2)
+        assert (int(r["samples"]), int(r["seq_len"]), int(r["tokens"])) == (b, s, b * s)
+        assert float(r["load"]) == pytest.approx(cost.predict(b, s), rel=1e-5)
+        assert float(r["step_time_ms"]) > 0 and float(r["interval_ms"]) >= float(r["step_time_ms"])
+    assert json.load(open(f"{log_dir}/{META_NAME}"))["load_unit"] == "ms (cost model)"
+
+    # Logged at steps 2 and 5 (log_every_n_steps=3) and the final partial interval at step 6.
+    metrics = [m for m in _read_csv(f"{log_dir}/metrics.csv") if m.get("balance/load_cv")]
+    assert [int(m["step"]) for m in metrics] == [2, 5, 6]
+    step_ms = [float(r["step_time_ms"]) for r in rows]
+    tokens = [int(r["tokens"]) for r in rows]
+    intervals = [float(r["interval_ms"]) for r in rows]
+    for m, lo, hi in zip(metrics, (0, 3, 6), (3, 6, 7)):
+        assert float(m["balance/load_cv"]) == 0.0  # one rank: no cross-rank spread
+        assert float(m["balance/bubble_frac"]) == 0.0
+        assert float(m["balance/load_max_over_mean"]) == pytest.approx(1.0)
+        assert float(m["rank0/tokens"]) == pytest.approx(np.mean(tokens[lo:hi]))
+        assert float(m["rank0/step_time_ms"]) == pytest.approx(np.mean(step_ms[lo:hi]), rel=1e-4)
+        assert float(m["throughput/tokens_per_s"]) == pytest.approx(
+            sum(tokens[lo:hi]) / (sum(intervals[lo:hi]) / 1e3), rel=1e-4)
+        window = step_ms[max(0, hi - 4):hi]
+        assert float(m["balance/step_time_cv_temporal"]) == pytest.approx(temporal_cv(window), rel=1e-3, abs=1e-6)
+        assert float(m["data/skipped"]) == 3 and float(m["data/skipped/bad_ndim"]) == 2
+
+    summary = monitor.summary
+    assert summary["steps"] == len(SHAPES)
+    assert summary["step_time_cv_temporal_run"] == pytest.approx(temporal_cv(step_ms), rel=1e-3)
+    assert summary["monitor_overhead_ms_per_step"] > 0
+    out = capsys.readouterr().out
+    assert "LoadBalanceMonitor: 7 steps x 1 ranks" in out and "monitor overhead" in out
+
+
+def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
+    monitor = LoadBalanceMonitor(verbose=False)
+    trainer = _fit(tmp_path, monitor, TinyData(cost_model=None), accumulate=2, log_every=2, epochs=2)
+    log_dir = trainer.logger.log_dir
+    rows = _read_csv(f"{log_dir}/{CSV_NAME}")
+    assert len(rows) == 2 * len(SHAPES)
+    for r in rows:
+        assert float(r["load"]) == pytest.approx(int(r["samples"]) * int(r["seq_len"]) ** 2, rel=1e-5)
+    assert json.load(open(f"{log_dir}/{META_NAME}"))["load_unit"].startswith("tokens^2")
+    # Two micro-batches per optimizer step: each row carries the optimizer step it belongs to.
+    assert [int(r["step"]) for r in rows[:len(SHAPES)]] == [0, 0, 1, 1, 2, 2, 3]
+    # One log per 2 optimizer steps, none twice, plus the final flush.
+    logged = [int(m["step"]) for m in _read_csv(f"{log_dir}/metrics.csv") if m.get("balance/load_cv")]
+    assert logged == sorted(set(logged)) and len(logged) >= 3
+    assert monitor.summary["steps"] == 2 * len(SHAPES)
+
+
+def test_bad_window_is_rejected():
+    with pytest.raises(ValueError, match="window"):
+        LoadBalanceMonitor(window=1)

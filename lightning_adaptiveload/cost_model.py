@@ -5,9 +5,12 @@ B is the batch size (samples), S the tokens per sample. Forms (all parameters > 
 - "power" (the paper):      t = a + b * B * S^p
 - "linear_quadratic" (FLOPs): t = a + c1 * B*S + c2 * B*S^2
   (projections/MLP scale with tokens B*S, self-attention with B*S^2)
-- "floor_work" (roofline-like): t = (floor^k + work^k)^(1/k), work = c1 * B*S + c2 * B*S^2,
+- "floor_work" (roofline-like): t = (floor^k + work^k)^(1/k),
+  work = c0 * B + c1 * B*S + c2 * B*S^2,
   a smooth max of a launch/latency floor (small shapes leave the GPU under-used, so time stays
   flat) and the FLOP work; k > 1 sets how sharp the knee is (k -> inf is max(floor, work)).
+  c0 is per-sample work that does not grow with S (an MMDiT's text tokens: cross-attention K/V
+  projections of the prompt, per-sample modulation).
 
 Fits minimise relative error, residuals (pred - t) / t, with scipy's nonlinear least squares.
 Held-out error is leave-one-out cross-validation (k-fold for large sets, see `_folds`), so
@@ -28,7 +31,7 @@ FORMS = ("power", "linear_quadratic", "floor_work")  # "auto" prefers the earlie
 PARAM_NAMES = {
     "power": ("a", "b", "p"),
     "linear_quadratic": ("a", "c1", "c2"),
-    "floor_work": ("floor", "c1", "c2", "k"),
+    "floor_work": ("floor", "c0", "c1", "c2", "k"),
 }
 QUALITY_KEYS = ("r2", "mean_rel_err", "max_rel_err", "heldout_mean_rel_err", "heldout_max_rel_err")
 MAX_LOO_POINTS = 64  # above this, cross-validation uses K_FOLDS folds instead of leave-one-out
@@ -50,7 +53,7 @@ def _predict_linear_quadratic(params: dict, b: np.ndarray, s: np.ndarray) -> np.
 
 def _predict_floor_work(params: dict, b: np.ndarray, s: np.ndarray) -> np.ndarray:
     floor, k = params["floor"], params["k"]
-    work = params["c1"] * b * s + params["c2"] * b * s * s
+    work = params["c0"] * b + params["c1"] * b * s + params["c2"] * b * s * s
     top = np.maximum(floor, work)  # factor out the larger term so x^k cannot overflow
     return top * ((floor / top) ** k + (work / top) ** k) ** (1.0 / k)
 
@@ -67,7 +70,8 @@ def _to_params(form: str, x: np.ndarray) -> dict:
         return {"a": math.exp(x[0]), "b": math.exp(x[1]), "p": float(x[2])}
     if form == "linear_quadratic":
         return dict(zip(PARAM_NAMES[form], (math.exp(v) for v in x)))
-    return {"floor": math.exp(x[0]), "c1": math.exp(x[1]), "c2": math.exp(x[2]), "k": 1.0 + math.exp(x[3])}
+    return {"floor": math.exp(x[0]), "c0": math.exp(x[1]), "c1": math.exp(x[2]), "c2": math.exp(x[3]),
+            "k": 1.0 + math.exp(x[4])}
 
 
 def _to_x(form: str, params: dict) -> np.ndarray:
@@ -76,8 +80,7 @@ def _to_x(form: str, params: dict) -> np.ndarray:
         return np.array([math.log(max(params["a"], tiny)), math.log(params["b"]), params["p"]])
     if form == "linear_quadratic":
         return np.log(np.maximum([params["a"], params["c1"], params["c2"]], tiny))
-    return np.array([math.log(params["floor"]), math.log(max(params["c1"], tiny)),
-                     math.log(max(params["c2"], tiny)), math.log(max(params["k"] - 1.0, tiny))])
+    return np.log(np.maximum([params["floor"], params["c0"], params["c1"], params["c2"], params["k"] - 1.0], tiny))
 
 
 def _bounds(form: str) -> tuple[list[float], list[float]]:
@@ -86,7 +89,7 @@ def _bounds(form: str) -> tuple[list[float], list[float]]:
     if form == "power":
         lo[2], hi[2] = _P_BOUNDS
     if form == "floor_work":
-        lo[3], hi[3] = -10.0, math.log(_K_MAX - 1.0)
+        lo[4], hi[4] = -10.0, math.log(_K_MAX - 1.0)
     return lo, hi
 
 
@@ -97,15 +100,15 @@ def _starts(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> list[dict
         a = 0.5 * float(t.min())
         return [{"a": a, "b": float(np.median(np.maximum(t - a, 1e-3 * t) / (b * s ** p))), "p": p}
                 for p in (1.0, 1.5, 2.0)]
-    # c1, c2: non-negative least squares of t on (B*S, B*S^2), rows weighted by 1/t (relative error)
-    design = np.stack([tokens, tokens * s], axis=1) / t[:, None]
+    # work coefficients: non-negative least squares of t on (B, B*S, B*S^2), rows weighted by 1/t
+    # (relative error); a zero coefficient is clamped to a tiny positive one by _to_x
+    design = np.stack([b, tokens, tokens * s], axis=1) / t[:, None]
     scale = design.max(axis=0)
-    coef, _ = nnls(design / scale, np.ones_like(t))
-    c1, c2 = coef / scale  # a zero coefficient is clamped to a tiny positive one by _to_x
+    c0, c1, c2 = (float(c) for c in nnls(design / scale, np.ones_like(t))[0] / scale)
     if form == "linear_quadratic":
-        return [{"a": 0.5 * float(t.min()), "c1": float(c1), "c2": float(c2)}]
-    return [{"floor": float(np.median(t[tokens <= np.median(tokens)])), "c1": float(c1), "c2": float(c2), "k": k}
-            for k in (2.0, 8.0)]
+        return [{"a": 0.5 * float(t.min()), "c1": c1, "c2": c2}]
+    floor = float(np.median(t[tokens <= np.median(tokens)]))
+    return [{"floor": floor, "c0": c0, "c1": c1, "c2": c2, "k": k} for k in (2.0, 8.0)]
 
 
 def _least_squares(form: str, b, s, t, starts: list[dict]) -> dict:

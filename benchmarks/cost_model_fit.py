@@ -1,0 +1,134 @@
+"""Fit every cost-model form to a measured step-time curve and report how well each predicts.
+
+Error is reported on all measured points, cross-validated (held-out), and on the measured points
+that matter for training: those of the shapes a bucket table schedules for a shape mix under the
+dual-constraint rule (M_comp from CostModel.m_comp with S_ref = longest bucket):
+  exact: measured points whose (B, S) equals a scheduled (B, S) pair;
+  near:  measured points within a factor 2 in B and in S of some scheduled pair.
+
+    python benchmarks/cost_model_fit.py  # H200 curve and reference mix shipped with the package
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import scipy
+
+import lightning_adaptiveload
+from lightning_adaptiveload.cost_model import FORMS, CostModel, plot_fit, read_measurements
+from lightning_adaptiveload.policies import batch_sizes
+from lightning_adaptiveload.shapes import read_shapes_jsonl
+
+DATA = Path(lightning_adaptiveload.__file__).parent / "data"
+RESULTS = Path(__file__).parent / "results"
+
+
+def near_schedule(b: np.ndarray, s: np.ndarray, sched_b: np.ndarray, sched_s: np.ndarray,
+                  factor: float) -> np.ndarray:
+    """(n,) bool: measured point i is within `factor` in B and in S of some scheduled pair."""
+    close_b = np.abs(np.log(b[:, None] / sched_b[None, :])) <= np.log(factor) + 1e-12
+    close_s = np.abs(np.log(s[:, None] / sched_s[None, :])) <= np.log(factor) + 1e-12
+    return np.any(close_b & close_s, axis=1)
+
+
+def error_summary(rel: np.ndarray) -> dict:
+    return {"n": int(rel.size), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--curve", default=str(DATA / "h200_dit_cost_curve.json"), help="measurements JSON")
+    parser.add_argument("--mix", default=str(DATA / "reference_mix.jsonl"), help="shapes JSONL to schedule")
+    parser.add_argument("--m-mem", type=int, default=65536, help="memory budget B*S (tokens)")
+    parser.add_argument("--out", default=str(RESULTS / "cost_model_fit.json"), help="result JSON; PNGs beside it")
+    args = parser.parse_args(argv)
+
+    b, s, t = read_measurements(args.curve)
+    models = {form: CostModel.fit(b, s, t, form=form) for form in FORMS}
+    auto = CostModel.fit(b, s, t, form="auto")
+
+    # the schedule depends only on p (same for every form) and the mix
+    mix = read_shapes_jsonl(args.mix)
+    order = np.argsort(mix.tokens)
+    bucket_s, bucket_count = mix.tokens[order], mix.counts[order]
+    s_ref = int(bucket_s.max())
+    m_comp = auto.m_comp(args.m_mem, s_ref)
+    bucket_b = batch_sizes(bucket_s, "dual_constraint", args.m_mem, m_comp, auto.p)
+    memory_b = batch_sizes(bucket_s, "token_equal", args.m_mem)
+    exact = np.array([np.any((bucket_b == bi) & (bucket_s == si)) for bi, si in zip(b, s)])
+    near = near_schedule(b, s, bucket_b.astype(np.float64), bucket_s.astype(np.float64), 2.0)
+
+    rows = {}
+    for form, model in models.items():
+        rel = np.abs(model.predict(b, s) - t) / t
+        rows[form] = {"params": model.params, "quality": model.quality,
+                      "scheduled_exact": error_summary(rel[exact]), "scheduled_near": error_summary(rel[near])}
+
+    header = (f"{'form':<17} {'R^2':>7} {'mean':>6} {'max':>6} {'cv mean':>8} {'cv max':>7} "
+              f"{'exact mean':>10} {'exact max':>9} {'near mean':>9} {'near max':>8}  params")
+    print(f"cost model fit on {args.curve} ({len(t)} points); relative errors in %;"
+          f" cv = leave-one-out held-out; exact/near = measured points at/near the schedule of"
+          f" {Path(args.mix).name} at m_mem={args.m_mem} (n={exact.sum()}/{near.sum()})")
+    print(header)
+    for form, row in rows.items():
+        q, ex, nr = row["quality"], row["scheduled_exact"], row["scheduled_near"]
+        params = ", ".join(f"{k}={v:.4g}" for k, v in row["params"].items())
+        print(f"{form:<17} {q['r2']:7.4f} {100 * q['mean_rel_err']:6.1f} {100 * q['max_rel_err']:6.1f} "
+              f"{100 * q['heldout_mean_rel_err']:8.1f} {100 * q['heldout_max_rel_err']:7.1f} "
+              f"{100 * ex['mean_rel_err']:10.1f} {100 * ex['max_rel_err']:9.1f} "
+              f"{100 * nr['mean_rel_err']:9.1f} {100 * nr['max_rel_err']:8.1f}  {params}")
+    print(f"auto picks: {auto.form}; p (power form) = {auto.p:.4f}; M_comp = {m_comp:.4g} (S_ref = {s_ref})")
+
+    schedule = []
+    print(f"\nschedule (dual-constraint, S_ref={s_ref}); ms predicted by {auto.form}")
+    print(f"{'S':>7} {'samples':>8} {'B':>5} {'B*S':>7} {'bound':>8} {'ms':>8}")
+    for si, ci, bi, mi in zip(bucket_s, bucket_count, bucket_b, memory_b):
+        bound = "memory" if bi == mi else "compute"
+        ms = auto.predict(int(bi), int(si))
+        schedule.append({"seq_len": int(si), "samples": int(ci), "batch_size": int(bi), "bound": bound,
+                         "predicted_ms": ms})
+        print(f"{si:7d} {ci:8d} {bi:5d} {bi * si:7d} {bound:>8} {ms:8.1f}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pngs = {}
+    for form, model in models.items():
+        png = out.with_name(f"{out.stem}_{form}.png")
+        plot_fit(model, b, s, t, png)
+        pngs[form] = png.name
+    curve_doc = json.loads(Path(args.curve).read_text())
+    result = {
+        "benchmark": "cost_model_fit",
+        "command": "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": {"kind": "CPU host (fitting only; the curve was measured on the device below)",
+                   "platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "versions": {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
+                     "lightning_adaptiveload": lightning_adaptiveload.__version__},
+        "curve": {"path": args.curve, "device": curve_doc.get("device"), "points": len(t)},
+        "mix": args.mix,
+        "m_mem": args.m_mem,
+        "s_ref": s_ref,
+        "m_comp": m_comp,
+        "p": auto.p,
+        "auto_form": auto.form,
+        "heldout": "leave-one-out",
+        "scheduled_sets": {"exact": "measured (B, S) equal to a scheduled pair",
+                           "near": "measured points within a factor 2 in B and in S of a scheduled pair"},
+        "forms": rows,
+        "schedule": schedule,
+        "plots": pngs,
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {out} and {', '.join(pngs.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Find the compiled AdaLN kernels: prebuilt extension, else a cached JIT build, else none.
+
+Nothing is compiled at import time; the first CUDA call (or ops.backend()) decides once per
+process. Set ADAPTIVELOAD_NO_JIT=1 to never JIT-build (the reference path runs instead).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CSRC_SOURCES = ("adaln_bindings.cpp", "adaln_launch.cu")
+# Shared with setup.py through csrc/ so both builds use the same flags.
+NVCC_FLAGS = (
+    "-O3",
+    "--use_fast_math",
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90,code=sm_90",
+)
+
+_state: dict = {}
+
+
+def cuda_include_dirs() -> list[str]:
+    """Extra include dirs: pip CUDA-13 wheels ship headers (cccl, cuda_runtime) under nvidia/cu13/include."""
+    import site
+
+    roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return [str(Path(r) / "nvidia" / "cu13" / "include") for r in roots if (Path(r) / "nvidia" / "cu13" / "include").is_dir()]
+
+
+def _jit_build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="adaptiveload_C_jit",
+        sources=[str(CSRC_DIR / s) for s in CSRC_SOURCES],
+        extra_include_paths=[str(CSRC_DIR)] + cuda_include_dirs(),
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=list(NVCC_FLAGS),
+        verbose=False,
+    )
+
+
+def load_extension() -> tuple[ModuleType | None, str]:
+    """(module or None, why). Cached: the search runs once per process."""
+    if "result" in _state:
+        return _state["result"]
+    result: tuple[ModuleType | None, str]
+    if not torch.cuda.is_available():
+        result = (None, "reference: no CUDA device visible to torch")
+    else:
+        try:
+            from lightning_adaptiveload import _C  # type: ignore[attr-defined]
+
+            result = (_C, "cuda: prebuilt extension lightning_adaptiveload._C")
+        except ImportError as prebuilt_error:
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            if os.environ.get("ADAPTIVELOAD_NO_JIT"):
+                result = (None, f"reference: prebuilt extension missing ({prebuilt_error}); ADAPTIVELOAD_NO_JIT is set")
+            elif CUDA_HOME is None or not (CSRC_DIR / CSRC_SOURCES[0]).is_file():
+                result = (None, f"reference: prebuilt extension missing ({prebuilt_error}) and no nvcc/csrc for a JIT build")
+            else:
+                try:
+                    result = (_jit_build(), f"cuda: JIT-built from {CSRC_DIR} (cached by torch.utils.cpp_extension)")
+                except Exception as jit_error:  # a failed build must not take training down
+                    result = (None, f"reference: JIT build failed: {jit_error}")
+    _state["result"] = result
+    return result

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Module names under lightning_adaptiveload.cli, in the order `--help` lists them.
-COMMANDS = ()
+COMMANDS = ('plan', 'simulate', 'report', 'index', 'make_shards')
 
 
 def build_parser() -> argparse.ArgumentParser:

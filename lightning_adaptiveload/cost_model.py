@@ -191,7 +191,8 @@ class CostModel:
         self.form = form
         self.params = {name: float(params[name]) for name in PARAM_NAMES[form]}
         self.p = float(p)  # exponent of the paper's power form on the same data (dual-constraint rule)
-        self.quality = dict(quality)
+        # every QUALITY_KEYS entry present (NaN where unknown, e.g. a hand-built model)
+        self.quality = {key: float(quality.get(key, float("nan"))) for key in QUALITY_KEYS}
         self.candidates = candidates or {}  # form -> {"params", "quality"} of every form fitted
 
     def __repr__(self) -> str:
@@ -232,9 +233,14 @@ class CostModel:
 
     def m_comp(self, m_mem: int, ref_seq_len: int) -> float:
         """Compute budget (tokens^p) for the dual-constraint rule: B_ref * S_ref^p with
-        S_ref = ref_seq_len (the longest bucket that will be scheduled) and
-        B_ref = max(1, m_mem // S_ref), the batch that bucket gets at the memory limit.
-        No bucket then gets more compute than that straggler, so B * S^p is equalised against it."""
+        S_ref = ref_seq_len and B_ref = max(1, m_mem // S_ref), the batch S_ref gets at the memory
+        limit. Buckets then get at most the compute of S_ref's memory-limited batch.
+
+        S_ref is where the two constraints cross: for p > 1 buckets shorter than S_ref stay
+        memory-bound and longer ones become compute-bound. With S_ref = the longest scheduled
+        bucket (no bucket gets more compute than the straggler), the compute bound therefore only
+        bites through rounding of m_mem // S and the schedule is close to token-equal; a shorter
+        S_ref throttles every longer bucket to B * S^p <= M_comp (docs/cost_model.md)."""
         for name, value in (("m_mem", m_mem), ("ref_seq_len", ref_seq_len)):
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -250,8 +256,7 @@ class CostModel:
             "form": self.form,
             "params": self.params,
             "p": self.p,
-            "quality": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                        for k, v in self.quality.items()},
+            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
         }
         Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
 

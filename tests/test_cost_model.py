@@ -118,6 +118,17 @@ def test_json_round_trip(tmp_path):
     assert load_cost_model(path).params == model.params
 
 
+def test_hand_built_model_round_trips_with_unknown_quality(tmp_path):
+    model = CostModel("power", TRUE["power"], TRUE["power"]["p"], {"r2": 0.5})
+    path = tmp_path / "hand.json"
+    model.to_json(path)
+    assert json.loads(path.read_text())["quality"]["mean_rel_err"] is None
+    back = CostModel.from_json(path)
+    assert back.quality["r2"] == 0.5
+    assert all(math.isnan(back.quality[k]) for k in QUALITY_KEYS if k != "r2")
+    assert back.predict(4, 1024) == pytest.approx(float(formula("power", TRUE["power"], 4, 1024)), rel=1e-12)
+
+
 def _valid_doc():
     return {"format": FORMAT, "version": 1, "form": "power", "params": {"a": 9.0, "b": 3e-4, "p": 1.3},
             "p": 1.3, "quality": {k: 0.1 for k in QUALITY_KEYS}}

@@ -1,2 +1,3 @@
 """Lightning callbacks of the suite, one module each."""
 from lightning_adaptiveload.callbacks.balance import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.calibration import CostModelCalibration

@@ -1,0 +1,252 @@
+"""Sample format, decoding/validation, index and the make-shards / index CLI."""
+import io
+import json
+import math
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_adaptiveload.cli import main as cli_main
+from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
+from lightning_adaptiveload.data.shards import (BadSample, decode_sample, encode_sample, fit_shape, resize_latent,
+                                                resolve_shards, shape_for_tokens, stand_in_text, write_shard,
+                                                write_synthetic_shards)
+from lightning_adaptiveload.shapes import ShapeMix, TokenSpec
+
+SPEC = TokenSpec()
+DECODE = dict(spec=SPEC, latent_channels=4, text_len=6, text_dim=8, max_seq_len=None)
+
+
+def tokens_ref(t, h, w, patch=(1, 2, 2), extra=0):
+    return math.ceil(t / patch[0]) * (h // patch[1]) * (w // patch[2]) + extra
+
+
+def npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=True)
+    return buf.getvalue()
+
+
+def good_files(rng, thw=(3, 4, 6), dtype=np.float16, text=True):
+    latent = rng.standard_normal((4, *thw)).astype(dtype)
+    txt = rng.standard_normal((5, 8)).astype(np.float32) if text else None
+    return latent, txt, encode_sample("k", latent, {"caption": "a cat"}, txt)
+
+
+@pytest.mark.parametrize("fmt", ["npy", "pth"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_encode_decode_round_trip(fmt, dtype):
+    rng = np.random.default_rng(0)
+    latent = rng.standard_normal((4, 3, 4, 6)).astype(dtype)
+    text = rng.standard_normal((9, 8)).astype(np.float32)  # longer than text_len: truncated
+    files = encode_sample("s1", latent, {"caption": "x"}, text, latent_format=fmt)
+    out = decode_sample("s1", files, **DECODE)
+    assert out["latent"].dtype == torch.float32
+    np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
+    np.testing.assert_array_equal(out["text"].numpy(), text[:6])
+    assert out["latent_shape"] == (3, 4, 6) and out["seq_len"] == tokens_ref(3, 4, 6)
+    assert json.loads(files["json"])["latent_shape"] == [3, 4, 6]
+
+
+def test_short_text_zero_padded_and_missing_text_gets_seeded_stand_in():
+    rng = np.random.default_rng(1)
+    latent = rng.standard_normal((4, 1, 4, 4)).astype(np.float32)
+    short = rng.standard_normal((2, 8)).astype(np.float32)
+    out = decode_sample("a", encode_sample("a", latent, {}, short), **DECODE)
+    np.testing.assert_array_equal(out["text"][:2].numpy(), short)
+    assert not out["text"][2:].any()
+    no_text = decode_sample("b", encode_sample("b", latent, {"caption": "a dog"}), **DECODE)["text"]
+    again = decode_sample("c", encode_sample("c", latent, {"caption": "a dog"}), **DECODE)["text"]
+    assert torch.equal(no_text, again) and torch.equal(no_text, stand_in_text("a dog", 6, 8))
+    assert no_text.std() > 0.5 and not torch.equal(no_text, stand_in_text("a cat", 6, 8))
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def corrupt_cases(rng):
+    """(name, files, expected reason) for every way a sample can be bad."""
+    latent, _, files = good_files(rng)
+    meta = files["json"]
+    buf = io.BytesIO()
+    torch.save({"not": "a tensor", "evil": Evil()}, buf)
+    shape_mismatch = dict(files, json=json.dumps({"latent_shape": [3, 4, 8]}).encode())
+    nan = latent.astype(np.float32)
+    nan[0, 0, 0, 0] = np.nan
+    return [
+        ("missing_latent", {"json": meta}, "missing_latent"),
+        ("missing_json", {"latent.npy": files["latent.npy"]}, "missing_json"),
+        ("bad_json", dict(files, json=b"{not json"), "bad_json"),
+        ("json_not_object", dict(files, json=b"[1, 2]"), "bad_json"),
+        ("json_bad_shape", dict(files, json=b'{"latent_shape": [3, 4]}'), "bad_json"),
+        ("bad_ndim", dict(files, **{"latent.npy": npy(latent[0]), "json": meta}), "bad_ndim"),
+        ("bad_dtype_int", dict(files, **{"latent.npy": npy(latent.astype(np.int32))}), "bad_dtype"),
+        ("bad_dtype_f64", dict(files, **{"latent.npy": npy(latent.astype(np.float64))}), "bad_dtype"),
+        ("pickled_npy", dict(files, **{"latent.npy": npy(np.array([Evil()], dtype=object))}), "bad_latent"),
+        ("pickled_pth", {"json": meta, "latent.pth": buf.getvalue()}, "bad_latent"),
+        ("garbage_npy", dict(files, **{"latent.npy": b"\x93NUMPY garbage"}), "bad_latent"),
+        ("shape_mismatch", shape_mismatch, "bad_shape"),
+        ("wrong_channels", encode_sample("k", rng.standard_normal((3, 3, 4, 6)).astype(np.float32)), "bad_shape"),
+        ("below_one_patch", encode_sample("k", rng.standard_normal((4, 1, 1, 6)).astype(np.float32)), "bad_shape"),
+        ("non_finite", dict(files, **{"latent.npy": npy(nan)}), "non_finite"),
+        ("bad_text_dim", dict(files, **{"text.npy": npy(np.ones((5, 7), np.float32))}), "bad_text"),
+        ("bad_text_pickle", dict(files, **{"text.npy": npy(np.array([Evil()], dtype=object))}), "bad_text"),
+    ]
+
+
+def test_every_corruption_is_a_named_bad_sample():
+    for name, files, reason in corrupt_cases(np.random.default_rng(2)):
+        with pytest.raises(BadSample) as info:
+            decode_sample("k", files, **DECODE)
+        assert info.value.reason == reason, name
+
+
+def test_over_max_seq_len_dropped_or_resized():
+    rng = np.random.default_rng(3)
+    latent = rng.standard_normal((4, 5, 16, 24)).astype(np.float32)  # 5*8*12 = 480 tokens
+    files = encode_sample("big", latent)
+    with pytest.raises(BadSample, match="over_max_seq_len"):
+        decode_sample("big", files, **{**DECODE, "max_seq_len": 100})
+    out = decode_sample("big", files, **{**DECODE, "max_seq_len": 100}, oversize="resize")
+    t, h, w = out["latent_shape"]
+    assert out["latent"].shape == (4, t, h, w) and out["seq_len"] == tokens_ref(t, h, w) <= 100
+    assert t == 5 and abs(w / h - 1.5) < 0.5  # spatial downscale first, aspect roughly kept
+    # area resampling of a constant field stays constant: the resize is a resample, not garbage
+    const = resize_latent(torch.full((2, 5, 16, 24), 3.0), (5, h, w))
+    assert torch.allclose(const, torch.full_like(const, 3.0))
+
+
+@pytest.mark.parametrize("thw,max_seq_len", [((21, 90, 160), 4096), ((81, 4, 4), 10), ((1, 2, 2000), 50),
+                                               ((5, 64, 64), 1), ((3, 9, 13), 7)])
+def test_fit_shape_fits_budget(thw, max_seq_len):
+    spec = TokenSpec(patch=(1, 2, 2))
+    t, h, w = fit_shape(thw, spec, max_seq_len)
+    assert 1 <= t <= thw[0] and h % 2 == 0 and w % 2 == 0 and h >= 2 and w >= 2
+    assert tokens_ref(t, h, w) <= max_seq_len
+
+
+def test_shape_for_tokens_exact():
+    spec = TokenSpec(patch=(2, 2, 2), extra_tokens=3)
+    for s in (4, 10, 103, 4099, 75603):
+        t, h, w = shape_for_tokens(s, spec)
+        assert tokens_ref(t, h, w, (2, 2, 2), 3) == s
+
+
+def write_mixed_shard(path, rng, n=12, bad=()):
+    """n good samples with random shapes; `bad` (name, files) inserted in between. Returns the
+    good samples {key: (latent, text)}."""
+    good, items = {}, []
+    for i in range(n):
+        thw = (int(rng.integers(1, 4)), 2 * int(rng.integers(1, 4)), 2 * int(rng.integers(1, 4)))
+        latent = rng.standard_normal((4, *thw)).astype(np.float16 if i % 2 else np.float32)
+        text = rng.standard_normal((6, 8)).astype(np.float32) if i % 3 else None
+        key = f"{path.stem}x{i:03d}"
+        good[key] = (latent, text)
+        items.append((key, encode_sample(key, latent, {}, text, latent_format="pth" if i % 4 == 1 else "npy")))
+    for j, (name, files) in enumerate(bad):
+        items.insert(2 * j + 1, (f"bad{name.replace('_', '')}", files))
+    write_shard(path, items)
+    return good
+
+
+def test_index_round_trip_and_bad_samples(tmp_path):
+    rng = np.random.default_rng(4)
+    cases = corrupt_cases(rng)
+    # text_dim and channel checks depend on the run's configuration: the index keeps those samples
+    config_only = {"wrong_channels", "bad_text_dim"}
+    good = write_mixed_shard(tmp_path / "a.tar", rng, bad=[(n, f) for n, f, _ in cases])
+    good.update(write_mixed_shard(tmp_path / "b.tar", rng))
+    count, bad = build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)
+    assert count == len(good) + len(config_only)
+    assert sorted(b["reason"] for b in bad) == sorted(r for n, _, r in cases if n not in config_only)
+    rows = read_index(tmp_path / "index.jsonl")
+    fds = {}
+    for row in rows:
+        if row["key"] not in good:
+            continue
+        latent, text = good[row["key"]]
+        assert row["latent_shape"] == list(latent.shape[1:]) and row["tokens"] == tokens_ref(*latent.shape[1:])
+        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
+        np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
+
+
+def test_truncated_tar_keeps_samples_before_the_cut(tmp_path):
+    rng = np.random.default_rng(5)
+    good = write_mixed_shard(tmp_path / "t.tar", rng, n=6)
+    data = (tmp_path / "t.tar").read_bytes()
+    offsets = [(info.offset_data, info.size) for info in tarfile.open(tmp_path / "t.tar")]
+    cut = offsets[7][0] + offsets[7][1] // 2  # inside the member of the third sample
+    (tmp_path / "t.tar").write_bytes(data[:cut])
+    results = list(scan_shard(tmp_path / "t.tar"))
+    assert [r[0] for r in results if r[3] is None] == list(good)[:2]
+    assert results[-1][3].reason == "read_error"
+    (tmp_path / "garbage.tar").write_bytes(b"this is not a tar file" * 40)
+    assert [r[3].reason for r in scan_shard(tmp_path / "garbage.tar")] == ["read_error"]
+
+
+def test_resolve_shards_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing or unreadable"):
+        resolve_shards(str(tmp_path / "s-{0..2}.tar"))
+    with pytest.raises(FileNotFoundError, match="holds no .tar"):
+        resolve_shards(str(tmp_path))
+    with pytest.raises(ValueError, match="no shards"):
+        resolve_shards([])
+
+
+def test_read_index_errors(tmp_path):
+    bad = tmp_path / "i.jsonl"
+    bad.write_text('{"key": "a", "shard": "x.tar", "members": {}, "latent_shape": [1, 2, 2], "channels": 4}\n{oops\n')
+    with pytest.raises(ValueError, match=r"i.jsonl:2: not valid JSON"):
+        read_index(bad)
+    bad.write_text('{"key": "a", "shard": "x.tar", "members": {}, "latent_shape": [1, 2], "channels": 4}\n')
+    with pytest.raises(ValueError, match="latent_shape"):
+        read_index(bad)
+    with pytest.raises(FileNotFoundError):
+        read_index(tmp_path / "nope.jsonl")
+
+
+def test_synthetic_shards_follow_the_mix(tmp_path):
+    mix = ShapeMix(tokens=np.array([16, 8, 200]), counts=np.array([700, 300, 1]),
+                   latent_thw=np.array([[1, 8, 8], [1, 4, 8], [-1, -1, -1]]))
+    paths = write_synthetic_shards(mix, 300, tmp_path, spec=SPEC, samples_per_shard=64, seed=1, latent_channels=4,
+                                   text_len=3, text_dim=8, progress=False)
+    assert [p.name for p in paths] == [f"shard-{i:06d}.tar" for i in range(5)]
+    count, bad = build_index([str(p) for p in paths], tmp_path / "i.jsonl", SPEC, progress=False)
+    rows = read_index(tmp_path / "i.jsonl")
+    assert count == 300 and not bad and all(r["text_shape"] == [3, 8] for r in rows)
+    shapes = [tuple(r["latent_shape"]) for r in rows]
+    frac = shapes.count((1, 8, 8)) / 300
+    assert abs(frac - 0.7) < 4 * math.sqrt(0.21 / 300)  # binomial, 4 sigma
+    assert set(shapes) <= {(1, 8, 8), (1, 4, 8), shape_for_tokens(200, SPEC)}
+    out = decode_sample(rows[0]["key"], read_members({}, rows[0]["shard"], rows[0]["members"]), **{**DECODE, "text_dim": 8})
+    assert 0.7 < out["latent"].std() < 1.3  # N(0, 1) data, not zeros
+
+
+def test_cli_make_shards_and_index(tmp_path, capsys):
+    shapes = tmp_path / "mix.jsonl"
+    shapes.write_text('{"frames": 1, "height": 64, "width": 64, "count": 3}\n{"frames": 17, "height": 32, "width": 48}\n')
+    assert cli_main(["make-shards", "--shapes", str(shapes), "--n", "20", "--out", str(tmp_path / "s"),
+                     "--samples-per-shard", "8", "--latent-channels", "4"]) == 0
+    assert cli_main(["index", str(tmp_path / "s/shard-{000000..000002}.tar"), "-o", str(tmp_path / "i.jsonl")]) == 0
+    rows = read_index(tmp_path / "i.jsonl")
+    assert len(rows) == 20 and {tuple(r["latent_shape"]) for r in rows} <= {(1, 8, 8), (5, 4, 6)}
+    # a shard of only bad samples: reported, no index rows, exit status 1
+    write_shard(tmp_path / "bad.tar", [("z", {"json": b"{"})])
+    assert cli_main(["index", str(tmp_path / "bad.tar"), "-o", str(tmp_path / "j.jsonl"),
+                     "--bad", str(tmp_path / "bad.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert "bad_json=1" in out
+    assert json.loads((tmp_path / "bad.jsonl").read_text())["reason"] == "bad_json"
+
+
+def test_no_pickle_payload_runs(tmp_path, capsys):
+    buf = io.BytesIO()
+    pickle.dump(Evil(), buf)
+    with pytest.raises(BadSample):
+        decode_sample("k", {"json": b'{"latent_shape": [1, 2, 2]}', "latent.npy": buf.getvalue()}, **DECODE)
+    assert "pwned" not in capsys.readouterr().out

@@ -4,18 +4,25 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from ddp_monitor_script import RANK_SHAPES, STEPS
 from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor
 from lightning_adaptiveload.callbacks.balance import (
     CSV_NAME, META_NAME, batch_samples_and_seq_len, cross_rank_stats, temporal_cv,
 )
+from lightning_adaptiveload.cli import main as cli_main
+
+TESTS = Path(__file__).resolve().parent
 
 # (B, T, H, W) of each batch; tokens per sample = T * (H // 2) * (W // 2) (patch 1x2x2).
 SHAPES = [(4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12), (3, 2, 8, 8), (2, 1, 8, 12), (1, 4, 8, 8), (4, 1, 4, 8)]
@@ -168,3 +175,43 @@ def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
 def test_bad_window_is_rejected():
     with pytest.raises(ValueError, match="window"):
         LoadBalanceMonitor(window=1)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_gathers_per_rank_rows(tmp_path):
+    """Rank r trains on known rank-specific (B, S); the gathered CSV and logged statistics must
+    match the fp64 formulas on those shapes (tests/ddp_monitor_script.py)."""
+    proc = subprocess.run([sys.executable, str(TESTS / "ddp_monitor_script.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, cwd=TESTS.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LoadBalanceMonitor: 6 steps x 2 ranks" in proc.stdout
+    log_dir = tmp_path / "run" / "version_0"
+
+    rows = _read_csv(log_dir / CSV_NAME)
+    assert [(int(r["step"]), int(r["rank"])) for r in rows] == [(i, r) for i in range(STEPS) for r in (0, 1)]
+    loads = np.zeros((STEPS, 2))
+    for row in rows:
+        i, r = int(row["step"]), int(row["rank"])
+        b, s = RANK_SHAPES[r][i]
+        assert (int(row["samples"]), int(row["seq_len"]), int(row["tokens"])) == (b, s, b * s)
+        loads[i, r] = b * s ** 1.5
+        assert float(row["load"]) == pytest.approx(loads[i, r], rel=1e-5)
+    step_ms = np.array([[float(rows[2 * i + r]["step_time_ms"]) for r in (0, 1)] for i in range(STEPS)])
+
+    metrics = [m for m in _read_csv(log_dir / "metrics.csv") if m.get("balance/load_cv")]
+    assert [int(m["step"]) for m in metrics] == [3, 5]  # log_every_n_steps=4, then the final flush
+    for m, lo, hi in zip(metrics, (0, 4), (4, STEPS)):
+        cv = [statistics.pstdev(loads[i]) / statistics.fmean(loads[i]) for i in range(lo, hi)]
+        bubble = [1 - statistics.fmean(loads[i]) / max(loads[i]) for i in range(lo, hi)]
+        time_cv = [statistics.pstdev(step_ms[i]) / statistics.fmean(step_ms[i]) for i in range(lo, hi)]
+        assert float(m["balance/load_cv"]) == pytest.approx(statistics.fmean(cv), rel=1e-6)
+        assert float(m["balance/bubble_frac"]) == pytest.approx(statistics.fmean(bubble), rel=1e-6)
+        assert float(m["balance/step_time_cv"]) == pytest.approx(statistics.fmean(time_cv), rel=1e-3, abs=1e-6)
+        window = step_ms[max(0, hi - 3):hi].mean(axis=1).tolist()
+        assert float(m["balance/step_time_cv_temporal"]) == pytest.approx(temporal_cv(window), rel=1e-3, abs=1e-6)
+        for r in (0, 1):
+            assert float(m[f"rank{r}/load"]) == pytest.approx(loads[lo:hi, r].mean(), rel=1e-6)
+            want_tokens = np.mean([b * s for b, s in RANK_SHAPES[r][lo:hi]])
+            assert float(m[f"rank{r}/tokens"]) == pytest.approx(want_tokens)
+    assert cli_main(["report", str(log_dir)]) == 0
+    assert (log_dir / "imbalance.png").stat().st_size > 10_000

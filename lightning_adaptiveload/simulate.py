@@ -7,6 +7,7 @@ import numpy as np
 
 from lightning_adaptiveload.sampler import BucketBatchSampler
 from lightning_adaptiveload.shapes import ShapeMix
+from lightning_adaptiveload.streaming import StreamingBucketBatcher, make_stream_plan
 
 
 def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) -> dict:
@@ -86,3 +87,38 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         "buckets": {"tokens": sampler.bucket_seq_len.tolist(), "samples": counts.tolist(),
                     "batch_size": sampler.bucket_batch.tolist()},
     }
+
+
+def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int,
+                       seed: int = 0, m_comp: float | None = None, max_seq_len: int | None = None,
+                       max_buffer_samples: int = 4096, class_tolerance: float = 0.1) -> dict:
+    """Simulate the streaming stage: each rank reads its own endless stream of samples drawn from the
+    mix (as from its own shards of a shuffled corpus) through a StreamingBucketBatcher with no
+    communication. Returns step_metrics plus the stage's counts summed over ranks
+    (fallback_batches, partial_batches, skipped_oversize) and the largest buffer any rank held."""
+    plan = make_stream_plan(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
+                            max_seq_len=max_seq_len, class_tolerance=class_tolerance)
+    probs = mix.counts / mix.counts.sum()
+    batch_len = np.zeros((steps, world_size), dtype=np.int64)
+    batch_seq_len = np.zeros((steps, world_size), dtype=np.int64)
+    totals = {"fallback_batches": 0, "partial_batches": 0, "skipped_oversize": 0, "buffer_peak_samples": 0}
+    for rank in range(world_size):
+        rng = np.random.default_rng([int(seed), 2, rank])
+
+        def stream():
+            while True:
+                yield from ({"seq_len": int(s)} for s in rng.choice(mix.tokens, size=4096, p=probs))
+
+        stage = StreamingBucketBatcher(plan, batches_per_epoch=steps, seed=seed, max_buffer_samples=max_buffer_samples,
+                                       worker=0, num_workers=1)
+        for step, batch in enumerate(stage(stream())):
+            batch_len[step, rank] = len(batch)
+            batch_seq_len[step, rank] = batch[0]["seq_len"]  # a batch holds one bucket
+        for key in totals:
+            combine = max if key == "buffer_peak_samples" else int.__add__
+            totals[key] = combine(totals[key], stage.stats[key])
+    times = np.asarray(cost_model.predict(batch_len, batch_seq_len), dtype=np.float64)
+    metrics = step_metrics(times, batch_len * batch_seq_len, batch_len)
+    return {"policy": f"streaming_{policy}", **metrics, "m_mem": int(m_mem), "m_comp": plan.m_comp, "p": plan.p,
+            "max_buffer_samples": int(max_buffer_samples), "class_tolerance": float(class_tolerance),
+            "cost_classes": int(len(plan.class_prob)), **totals}

@@ -1,0 +1,336 @@
+"""AdaptiveLoadDataModule: batches of video latents from WebDataset shards, sized per bucket by a
+batch-size policy, the same number of batches on every rank.
+
+Two paths:
+- map-style (`index` given): every sample's shape is known from the index; the
+  `BucketBatchSampler` plans each epoch globally (balanced across ranks, resumable mid-epoch)
+  and samples are read by byte offset from the tars.
+- streaming (no index): a webdataset pipeline per DataLoader worker over explicitly split,
+  endlessly re-shuffled shards, bucketed on the fly by the streaming stage, with a fixed
+  `steps_per_epoch`.
+
+Batch dict (see docs/data.md): latents (B, C, T, H, W) float32, text (B, L, D_text) float32,
+seq_len int (tokens per sample), latent_shape (T, H, W), keys list[str].
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_adaptiveload.cost_model import CostModel, load_cost_model
+from lightning_adaptiveload.data.index import build_index, read_index, read_members
+from lightning_adaptiveload.data.shards import (BadSample, check_config, decode_sample, resolve_shards,
+                                                shape_for_tokens, write_synthetic_shards)
+from lightning_adaptiveload.policies import POLICIES, batch_sizes
+from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
+from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
+
+log = logging.getLogger(__name__)
+
+REFERENCE_MIX = str(Path(__file__).with_name("reference_mix.jsonl"))
+SKIPPED_KEY = "skipped"  # batch entry carrying skip counts out of DataLoader workers
+
+
+# --- scheduling keys -------------------------------------------------------------------------
+
+def schedule_keys(shapes: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(N,) int64 token count each sample is scheduled at. The sampler buckets by token count, but
+    a batch must hold one latent shape: where distinct shapes share a token count (480x832 and
+    832x480), all but the first (sorted by tokens, T, H, W) get the next free count above, so each
+    bucket is one shape. Batch sizes computed at a count >= the true tokens stay memory-safe."""
+    distinct, inverse = np.unique(np.column_stack([tokens, shapes]), axis=0, return_inverse=True)
+    keys = distinct[:, 0].copy()
+    for i in range(1, len(keys)):
+        keys[i] = max(keys[i], keys[i - 1] + 1)
+    return keys[inverse.reshape(-1)]
+
+
+# --- map-style dataset and collation ------------------------------------------------------------
+
+class IndexedShardDataset(Dataset):
+    """Samples of an index, read by byte offset. Item i is a decoded sample dict, or
+    {"key", "skip": reason} when it fails to read or decode (counted by the collate function)."""
+
+    def __init__(self, rows: list[dict], decode_kwargs: dict):
+        self.rows = rows
+        self.decode_kwargs = decode_kwargs
+        self._fds: dict[str, int] = {}  # opened lazily, so each DataLoader worker has its own
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        try:
+            return decode_sample(row["key"], read_members(self._fds, row["shard"], row["members"]), **self.decode_kwargs)
+        except BadSample as e:
+            return {"key": row["key"], "skip": e.reason, "detail": str(e)}
+
+
+def collate_samples(samples: list[dict]) -> dict:
+    """Stack decoded samples of one shape into a batch dict; skip markers become
+    batch["skipped"] (reason -> count). Raises if no sample of the batch survived."""
+    good = [s for s in samples if "skip" not in s]
+    skipped = Counter(s["skip"] for s in samples if "skip" in s)
+    if not good:
+        details = "; ".join(s["detail"] for s in samples[:3])
+        raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
+                           f"indexing? Re-run `adaptiveload index`.")
+    shape = good[0]["latent_shape"]
+    if any(s["latent_shape"] != shape for s in good):
+        raise RuntimeError(f"a batch mixes latent shapes {sorted({s['latent_shape'] for s in good})}: "
+                           f"samples were scheduled with inconsistent keys")
+    return {
+        "latents": torch.stack([s["latent"] for s in good]),
+        "text": torch.stack([s["text"] for s in good]),
+        "seq_len": int(good[0]["seq_len"]),
+        "latent_shape": tuple(shape),
+        "keys": [s["key"] for s in good],
+        SKIPPED_KEY: dict(skipped),
+    }
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a BucketBatchSampler that Lightning checkpoints (it has state_dict /
+    load_state_dict) and that moves the sampler to the trainer's epoch when iteration starts
+    (Lightning calls set_epoch only on a loader's `sampler`, not on a custom batch sampler).
+
+    The saved step count is the batches this loader handed out, not the ones its sampler
+    dispatched to workers ahead of time, so a resume neither repeats nor skips a batch."""
+
+    def __init__(self, *args, epoch_fn=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch_fn = epoch_fn
+        self.steps_taken = 0
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        if self.epoch_fn is not None and self.epoch_fn() != sampler.epoch:
+            sampler.set_epoch(self.epoch_fn())
+        remaining = len(sampler)
+        self.steps_taken = len(sampler.plan().steps) - remaining
+        for batch in super().__iter__():
+            self.steps_taken += 1
+            yield batch
+
+    def __len__(self) -> int:
+        """Steps of the whole epoch, also after a resume (Lightning reads the length after
+        restoring the state and counts the restored steps towards it)."""
+        earlier = sum(k for _, k in self.batch_sampler.state_dict()["segments"][:-1])
+        return earlier + len(self.batch_sampler.plan().steps)
+
+    def state_dict(self) -> dict:
+        return self.batch_sampler.state_dict(steps_consumed=self.steps_taken)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.load_state_dict(state)
+
+
+# --- the DataModule -----------------------------------------------------------------------------
+
+class AdaptiveLoadDataModule(L.LightningDataModule):
+    """Bucketed latent batches from tar shards for video DiT training.
+
+    Args (plain types, settable from LightningCLI YAML):
+        shards: tar paths / brace pattern / folder, or a list of them.
+        index: JSONL index from `adaptiveload index` -> map-style path; None -> streaming path.
+        policy: "token_equal" | "dual_constraint" | "balanced".
+        m_mem: memory budget, tokens per batch (B*S <= m_mem).
+        m_comp, p: compute budget B*S^p <= m_comp; derived from the cost model when None.
+        cost_model: path of a fitted cost-model JSON or a measurements JSON (or set later by
+            `set_cost_model`, e.g. by the calibration callback).
+        max_seq_len: longest sample in tokens (default m_mem); longer ones are dropped or resized.
+        oversize: "drop" | "resize" (H, W scaled down keeping aspect, then T cropped if needed).
+        vae_stride_t, vae_stride_s, patch, extra_tokens: TokenSpec (tokens of a latent use only
+            patch and extra_tokens; the strides map pixel shapes of a shapes file).
+        latent_channels: C of every latent. text_len, text_dim: (L, D_text) of the text entry.
+        num_workers: DataLoader workers. seed: shuffling seed (all ranks share it).
+        steps_per_epoch: batches per rank per epoch on the streaming path.
+        shuffle_buffer: samples shuffled before bucketing (streaming), per worker.
+        shapes: shapes JSONL describing the stream's mix (streaming: bucket table for calibration).
+        synthesize: if set and `shards` (a folder) holds no tars, `prepare_data` writes this many
+            synthetic samples there (and the index, if `index` is set and missing).
+        synthesize_shapes: shapes JSONL to draw them from (default: the shipped reference mix).
+        synthesize_latent_scale: latent H, W scale of synthesized samples (small for CPU demos).
+    """
+
+    def __init__(self, shards: str | list[str], index: str | None = None, policy: str = "balanced",
+                 m_mem: int = 65536, m_comp: float | None = None, p: float | None = None,
+                 cost_model: str | None = None, max_seq_len: int | None = None, oversize: str = "drop",
+                 vae_stride_t: int = 4, vae_stride_s: int = 8, patch: tuple[int, int, int] = (1, 2, 2),
+                 extra_tokens: int = 0, latent_channels: int = 16, text_len: int = 512, text_dim: int = 4096,
+                 num_workers: int = 2, seed: int = 0, steps_per_epoch: int | None = None,
+                 shuffle_buffer: int = 256, shapes: str | None = None, synthesize: int | None = None,
+                 synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0):
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if oversize not in ("drop", "resize"):
+            raise ValueError(f"oversize must be 'drop' or 'resize', got {oversize!r}")
+        for name, value in (("m_mem", m_mem), ("latent_channels", latent_channels), ("text_len", text_len),
+                            ("text_dim", text_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.save_hyperparameters()
+        self.shards, self.index_path, self.policy = shards, index, policy
+        self.m_mem, self.m_comp, self.p = int(m_mem), m_comp, p
+        self.max_seq_len = int(m_mem if max_seq_len is None else max_seq_len)
+        self.oversize = oversize
+        self.spec = TokenSpec(vae_stride_t, vae_stride_s, tuple(patch), extra_tokens)
+        self.latent_channels, self.text_len, self.text_dim = latent_channels, text_len, text_dim
+        self.num_workers, self.seed = num_workers, seed
+        self.steps_per_epoch, self.shuffle_buffer, self.shapes = steps_per_epoch, shuffle_buffer, shapes
+        self.synthesize, self.synthesize_shapes = synthesize, synthesize_shapes
+        self.synthesize_latent_scale = synthesize_latent_scale
+        self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
+        self.skipped: Counter = Counter()
+        self.dataset: IndexedShardDataset | None = None
+        self._keys = None  # (N,) scheduled token count per indexed sample
+        self._key_shape: dict[int, tuple[int, int, int]] = {}  # scheduled count -> latent (T, H, W)
+
+    # -- data preparation and setup --
+
+    def prepare_data(self) -> None:
+        """With `synthesize`: write synthetic shards (and the index) where they are missing."""
+        if not self.synthesize:
+            return
+        folder = Path(self.shards if isinstance(self.shards, str) else self.shards[0])
+        if not any(folder.glob("*.tar")):
+            mix = read_shapes_jsonl(self.synthesize_shapes or REFERENCE_MIX, self.spec)
+            write_synthetic_shards(mix, self.synthesize, folder, spec=self.spec, seed=self.seed,
+                                   latent_channels=self.latent_channels,
+                                   latent_scale=self.synthesize_latent_scale)
+        if self.index_path and not Path(self.index_path).exists():
+            build_index(resolve_shards(str(folder)), self.index_path, self.spec)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Resolve shards (clear error if missing), read the index and check every row against
+        this configuration (failures counted in `skipped`), build the shape table."""
+        self.shard_paths = resolve_shards(self.shards)
+        if self.index_path:
+            self._setup_indexed()
+
+    def _setup_indexed(self) -> None:
+        rows = read_index(self.index_path)
+        if not rows:
+            raise ValueError(f"index {self.index_path!r} lists no samples")
+        known = set(self.shard_paths)
+        foreign = [r["shard"] for r in rows if r["shard"] not in known]
+        if foreign:
+            raise ValueError(f"index {self.index_path!r} refers to {len(foreign)} samples in shards outside "
+                             f"`shards`, e.g. {foreign[0]!r}")
+        kept, shapes, tokens, skipped = [], [], [], Counter()
+        for row in rows:
+            text_shape = row.get("text_shape")
+            try:
+                thw, seq_len = check_config(row["key"], row["channels"], tuple(row["latent_shape"]),
+                                            None if text_shape is None else text_shape[1], **self._check_kwargs())
+            except BadSample as e:
+                skipped[e.reason] += 1
+                continue
+            kept.append(row)
+            shapes.append(thw)
+            tokens.append(seq_len)
+        self._count_skipped(skipped, where=f"index {self.index_path}")
+        if not kept:
+            raise ValueError(f"no sample of index {self.index_path!r} fits this configuration "
+                             f"(skipped: {dict(skipped)})")
+        shapes, tokens = np.asarray(shapes, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+        self._keys = schedule_keys(shapes, tokens)
+        self._key_shape = {int(k): tuple(int(v) for v in s) for k, s in zip(self._keys, shapes)}
+        self.dataset = IndexedShardDataset(kept, self._decode_kwargs())
+
+    def _check_kwargs(self) -> dict:
+        return {"spec": self.spec, "latent_channels": self.latent_channels, "text_dim": self.text_dim,
+                "max_seq_len": self.max_seq_len, "oversize": self.oversize}
+
+    def _decode_kwargs(self) -> dict:
+        return {**self._check_kwargs(), "text_len": self.text_len}
+
+    # -- bucket table, cost model --
+
+    def bucket_seq_lens(self) -> np.ndarray:
+        """(K,) int64 distinct scheduled token counts, ascending (after setup)."""
+        if not self._key_shape:
+            raise RuntimeError("bucket_seq_lens() needs setup() first (and an index or a shapes mix)")
+        return np.asarray(sorted(self._key_shape), dtype=np.int64)
+
+    def bucket_table(self) -> list[dict]:
+        """One row per bucket: seq_len (scheduled tokens), latent_shape, samples, batch_size under
+        the current policy, cost model and m_mem."""
+        seq_lens = self.bucket_seq_lens()
+        m_comp, p = resolve_compute_budget(self.policy, self.m_mem, int(seq_lens[-1]), self.m_comp, self.p,
+                                           self.cost_model)
+        sizes = batch_sizes(seq_lens, self.policy, self.m_mem, m_comp, p)
+        counts = Counter(self._keys.tolist()) if self._keys is not None else {}
+        return [{"seq_len": int(s), "latent_shape": self._key_shape[int(s)], "samples": counts.get(int(s), 0),
+                 "batch_size": int(b)} for s, b in zip(seq_lens, sizes)]
+
+    def set_cost_model(self, cost_model: CostModel, m_mem: int | None = None) -> None:
+        """Use `cost_model` (and `m_mem`, tokens) for batch sizes from now on; call before the
+        train loader is built (the calibration callback does, in on_fit_start)."""
+        self.cost_model = cost_model
+        if m_mem is not None:
+            self.m_mem = int(m_mem)
+
+    # -- batches --
+
+    def synthetic_batch(self, seq_len_or_shape: int | tuple[int, int, int], batch_size: int) -> dict:
+        """A batch with the exact structure of training batches and N(0, 1) data. An int is a
+        scheduled token count: its bucket's latent shape (or, if no bucket has it, a shape with
+        exactly that many tokens); a (T, H, W) tuple is used as is."""
+        if isinstance(seq_len_or_shape, (int, np.integer)):
+            thw = self._key_shape.get(int(seq_len_or_shape)) or shape_for_tokens(int(seq_len_or_shape), self.spec)
+        else:
+            thw = tuple(int(v) for v in seq_len_or_shape)
+        return {
+            "latents": torch.randn(batch_size, self.latent_channels, *thw),
+            "text": torch.randn(batch_size, self.text_len, self.text_dim),
+            "seq_len": self.spec.tokens_from_latent(*thw),
+            "latent_shape": thw,
+            "keys": [f"synthetic{i}" for i in range(batch_size)],
+        }
+
+    def build_sampler(self, num_replicas: int | None = None, rank: int | None = None) -> BucketBatchSampler:
+        """The map-style batch sampler for the current configuration and cost model."""
+        if self._keys is None:
+            raise RuntimeError("build_sampler() needs setup() with an index first")
+        return BucketBatchSampler(self._keys, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
+                                  cost_model=self.cost_model, num_replicas=num_replicas, rank=rank,
+                                  seed=self.seed, max_seq_len=int(self._keys.max()))
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+            raise ValueError("AdaptiveLoadDataModule plans batches for every rank itself: create the Trainer with "
+                             "use_distributed_sampler=False")
+        num_replicas = trainer.world_size if trainer is not None else None
+        rank = trainer.global_rank if trainer is not None else None
+        if self.dataset is None:
+            raise RuntimeError("the streaming path (no index) is not wired yet")
+        sampler = self.build_sampler(num_replicas, rank)
+        return ResumableLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
+                               collate_fn=collate_samples, persistent_workers=self.num_workers > 0,
+                               pin_memory=torch.cuda.is_available(),
+                               epoch_fn=(lambda: self.trainer.current_epoch) if trainer is not None else None)
+
+    # -- skip accounting --
+
+    def _count_skipped(self, counts: dict, where: str) -> None:
+        counts = {k: v for k, v in counts.items() if v}
+        if not counts:
+            return
+        self.skipped.update(counts)
+        log.warning("adaptiveload data: skipped %d samples in %s (%s); total on this rank: %s", sum(counts.values()),
+                    where, ", ".join(f"{k}={v}" for k, v in sorted(counts.items())), dict(self.skipped))
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        if isinstance(batch, dict) and SKIPPED_KEY in batch:
+            self._count_skipped(batch.pop(SKIPPED_KEY), where="the train stream")
+        return batch

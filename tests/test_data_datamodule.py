@@ -1,0 +1,278 @@
+"""AdaptiveLoadDataModule, map-style path: batches equal the written arrays, skip accounting,
+synthetic_batch structure, scheduling keys, setup errors, mid-epoch resume through checkpoints."""
+import math
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, schedule_keys
+from lightning_adaptiveload.data.index import build_index
+from lightning_adaptiveload.data.shards import encode_sample, write_shard
+from lightning_adaptiveload.shapes import TokenSpec
+
+C, L_TEXT, D_TEXT = 4, 5, 8
+# (T, H, W) latents; (1, 4, 8) and (1, 8, 4) share 8 tokens, (3, 6, 6) has 27 and (1, 6, 18) too
+SHAPES = [(1, 4, 4), (1, 4, 8), (1, 8, 4), (3, 6, 6), (1, 6, 18), (5, 8, 8)]
+
+
+def tokens_ref(t, h, w):
+    return t * (h // 2) * (w // 2)
+
+
+def write_dataset(root, n=60, shards=3, seed=0, text_every=2):
+    """Random latents of SHAPES in `shards` tars plus an index. Returns {key: (latent f32, text or None)}."""
+    rng = np.random.default_rng(seed)
+    written, per_shard = {}, math.ceil(n / shards)
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        items = []
+        for i in range(s * per_shard, min(n, (s + 1) * per_shard)):
+            thw = SHAPES[int(rng.integers(len(SHAPES)))]
+            latent = rng.standard_normal((C, *thw)).astype(np.float16)
+            text = rng.standard_normal((L_TEXT, D_TEXT)).astype(np.float32) if i % text_every == 0 else None
+            key = f"s{i:05d}"
+            written[key] = (latent.astype(np.float32), text)
+            items.append((key, encode_sample(key, latent, {"caption": f"c{i}"}, text)))
+        write_shard(root / f"shard-{s:04d}.tar", items)
+    build_index([str(p) for p in sorted(root.glob("*.tar"))], root / "index.jsonl", progress=False)
+    return written
+
+
+def make_dm(root, **kw):
+    args = dict(shards=str(root), index=str(root / "index.jsonl"), policy="token_equal", m_mem=128,
+                latent_channels=C, text_len=L_TEXT, text_dim=D_TEXT, num_workers=0, seed=3)
+    args.update(kw)
+    dm = AdaptiveLoadDataModule(**args)
+    dm.setup("fit")
+    return dm
+
+
+def epoch_batches(dm, epoch=0):
+    loader = dm.train_dataloader()
+    loader.batch_sampler.set_epoch(epoch)
+    return [dm.on_before_batch_transfer(b, 0) for b in loader]
+
+
+@pytest.mark.parametrize("policy", ["token_equal", "balanced"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_map_style_batches_equal_written_arrays(tmp_path, policy, num_workers):
+    if num_workers and policy == "balanced":
+        pytest.skip("one worker case is enough")
+    written = write_dataset(tmp_path, n=60)
+    dm = make_dm(tmp_path, policy=policy, p=1.5, m_comp=500.0, num_workers=num_workers)
+    batches = epoch_batches(dm)
+    seen = []
+    for b in batches:
+        t, h, w = b["latent_shape"]
+        assert b["latents"].shape == (len(b["keys"]), C, t, h, w) and b["latents"].dtype == torch.float32
+        assert b["text"].shape == (len(b["keys"]), L_TEXT, D_TEXT)
+        assert b["seq_len"] == tokens_ref(t, h, w)
+        assert len(b["keys"]) * b["seq_len"] <= 128 or len(b["keys"]) == 1  # memory budget B*S <= m_mem
+        for i, key in enumerate(b["keys"]):
+            latent, text = written[key]
+            np.testing.assert_array_equal(b["latents"][i].numpy(), latent)
+            if text is not None:
+                np.testing.assert_array_equal(b["text"][i].numpy(), text)
+            else:
+                assert b["text"][i].std() > 0.5  # stand-in embedding, never zeros
+        seen += b["keys"]
+    assert len(seen) == len(set(seen))
+    assert len(seen) == dm.train_dataloader().batch_sampler.stats["samples_scheduled"]
+    assert dict(dm.skipped) == {}
+
+
+def test_schedule_keys_one_shape_per_key():
+    rng = np.random.default_rng(0)
+    shapes = np.array([SHAPES[i] for i in rng.integers(len(SHAPES), size=500)])
+    tokens = np.array([tokens_ref(*s) for s in shapes])
+    keys = schedule_keys(shapes, tokens)
+    assert (keys >= tokens).all()
+    for k in np.unique(keys):
+        assert len({tuple(s) for s in shapes[keys == k]}) == 1
+    assert len(np.unique(keys)) == len({tuple(s) for s in shapes})
+    assert (keys - tokens).max() <= 2  # collisions move a count by at most the group size
+
+
+def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
+    write_dataset(tmp_path, n=90)
+    dm = make_dm(tmp_path, m_mem=200)
+    table = dm.bucket_table()
+    assert [r["latent_shape"] for r in table if tokens_ref(*r["latent_shape"]) == 8] == [(1, 4, 8), (1, 8, 4)]
+    assert sorted(r["seq_len"] for r in table) == list(dm.bucket_seq_lens())
+    for b in epoch_batches(dm):
+        assert b["latents"].shape[2:] == b["latent_shape"]
+
+
+def test_config_checks_at_setup_are_counted(tmp_path, caplog):
+    write_dataset(tmp_path, n=40)
+    with caplog.at_level("WARNING"):
+        dm = make_dm(tmp_path, max_seq_len=100)  # (5, 8, 8) = 80 tokens fits, nothing over 100
+    assert dict(dm.skipped) == {}
+    with caplog.at_level("WARNING"):
+        dm = make_dm(tmp_path, max_seq_len=30, m_mem=64)
+    n_big = sum(1 for r in dm.bucket_table())  # buckets left
+    assert dm.skipped["over_max_seq_len"] > 0 and "over_max_seq_len" in caplog.text
+    assert max(dm.bucket_seq_lens()) <= 30 + 2 and n_big == 5
+    dm = make_dm(tmp_path, text_dim=7)  # samples with an 8-wide text embedding no longer fit
+    assert dm.skipped["bad_text"] == 20
+    resized = make_dm(tmp_path, max_seq_len=30, oversize="resize")
+    assert "over_max_seq_len" not in resized.skipped
+    for b in epoch_batches(resized):
+        assert b["seq_len"] <= 30 and b["latents"].shape[2:] == b["latent_shape"]
+
+
+def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
+    write_dataset(tmp_path, n=40, shards=2)
+    dm = make_dm(tmp_path, m_mem=400)
+    # corrupt the latent bytes of one scheduled sample (in a batch of >= 2) after indexing
+    batch = next(b for b in dm.train_dataloader().batch_sampler if len(b) >= 2)
+    row = dm.dataset.rows[batch[0]]
+    offset, size = row["members"]["latent.npy"]
+    with open(row["shard"], "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * 16)
+    with caplog.at_level("WARNING"):
+        batches = epoch_batches(dm)
+    keys = [k for b in batches for k in b["keys"]]
+    assert row["key"] not in keys and dm.skipped == {"bad_latent": 1}
+    assert "bad_latent=1" in caplog.text
+    # a batch whose every sample fails cannot be filled: a clear error, not an empty batch
+    for i in batch:
+        offset, _ = dm.dataset.rows[i]["members"]["latent.npy"]
+        with open(dm.dataset.rows[i]["shard"], "r+b") as f:
+            f.seek(offset)
+            f.write(b"\0" * 16)
+    with pytest.raises(RuntimeError, match="every sample of a batch failed"):
+        epoch_batches(dm)
+
+
+def test_synthetic_batch_structure_equals_real_batch(tmp_path):
+    write_dataset(tmp_path, n=40)
+    dm = make_dm(tmp_path, m_mem=200)
+    real = epoch_batches(dm)[0]
+    synth = dm.synthetic_batch(real["latent_shape"], 3)
+    assert synth.keys() == real.keys()
+    for k in real:
+        assert type(synth[k]) is type(real[k]), k
+    for k in ("latents", "text"):
+        assert synth[k].dtype == real[k].dtype and synth[k].shape[1:] == real[k].shape[1:] and len(synth[k]) == 3
+        assert synth[k].std() > 0.5
+    assert synth["latent_shape"] == real["latent_shape"] and synth["seq_len"] == real["seq_len"]
+    # every scheduled count maps to its bucket's shape; an unknown count to a shape with that many tokens
+    for row in dm.bucket_table():
+        assert dm.synthetic_batch(row["seq_len"], 1)["latent_shape"] == row["latent_shape"]
+    b = dm.synthetic_batch(1000, 2)
+    assert tokens_ref(*b["latent_shape"]) == 1000 == b["seq_len"] and b["latents"].shape[2:] == b["latent_shape"]
+
+
+def test_set_cost_model_rebuilds_bucket_table(tmp_path):
+    from lightning_adaptiveload.cost_model import CostModel
+    write_dataset(tmp_path, n=40)
+    dm = make_dm(tmp_path, policy="dual_constraint", m_mem=256)
+    rng = np.random.default_rng(0)
+    b = rng.integers(1, 16, size=40)
+    s = rng.integers(4, 100, size=40)
+    model = CostModel.fit(b, s, 1.0 + 0.01 * b * s ** 1.5, form="power")
+    dm.set_cost_model(model, m_mem=128)
+    table = dm.bucket_table()
+    m_comp = model.m_comp(128, int(dm.bucket_seq_lens()[-1]))
+    for row in table:
+        s_ = row["seq_len"]
+        assert row["batch_size"] == max(1, min(128 // s_, math.floor(m_comp / s_ ** model.p)))
+    sampler = dm.train_dataloader().batch_sampler
+    assert sampler.cost_model is model and sampler.m_mem == 128
+
+
+def test_setup_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing or unreadable"):
+        make_dm(tmp_path, shards=str(tmp_path / "nope-{0..3}.tar"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .tar"):
+        make_dm(tmp_path / "empty")
+    write_dataset(tmp_path / "d", n=10)
+    (tmp_path / "d" / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="lists no samples"):
+        make_dm(tmp_path / "d", index=str(tmp_path / "d" / "empty.jsonl"))
+    with pytest.raises(ValueError, match="outside `shards`"):
+        make_dm(tmp_path / "d", shards=str(tmp_path / "d" / "shard-0000.tar"))
+    with pytest.raises(ValueError, match="fits this configuration"):
+        make_dm(tmp_path / "d", latent_channels=3)
+    with pytest.raises(ValueError, match="policy"):
+        AdaptiveLoadDataModule(shards="x", policy="fastest")
+    with pytest.raises(ValueError, match="m_mem"):
+        AdaptiveLoadDataModule(shards="x", m_mem=0)
+
+
+def test_prepare_data_synthesizes_shards_and_index(tmp_path):
+    mix = tmp_path / "mix.jsonl"
+    mix.write_text('{"latent_t": 1, "latent_h": 4, "latent_w": 4, "count": 2}\n{"latent_t": 3, "latent_h": 6, "latent_w": 6}\n')
+    dm = AdaptiveLoadDataModule(shards=str(tmp_path / "shards"), index=str(tmp_path / "index.jsonl"), policy="token_equal",
+                                m_mem=64, latent_channels=C, text_len=L_TEXT, text_dim=D_TEXT, num_workers=0,
+                                synthesize=30, synthesize_shapes=str(mix))
+    dm.prepare_data()
+    dm.setup("fit")
+    assert {r["latent_shape"] for r in dm.bucket_table()} == {(1, 4, 4), (3, 6, 6)}
+    assert sum(r["samples"] for r in dm.bucket_table()) == 30
+    mtime = (tmp_path / "index.jsonl").stat().st_mtime_ns
+    dm.prepare_data()  # second run: nothing rewritten
+    assert (tmp_path / "index.jsonl").stat().st_mtime_ns == mtime
+
+
+class KeyRecorder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(C, 1)
+        self.keys = []
+
+    def training_step(self, batch, batch_idx):
+        self.keys.append(list(batch["keys"]))
+        x = batch["latents"].mean(dim=(2, 3, 4))
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def trainer(tmp_path, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mid_epoch_resume_sees_each_sample_once(tmp_path, num_workers):
+    write_dataset(tmp_path / "data", n=80)
+    dm_args = dict(num_workers=num_workers)
+    full = KeyRecorder()
+    trainer(tmp_path / "full", max_epochs=1).fit(full, make_dm(tmp_path / "data", **dm_args))
+    epoch_keys = [k for ks in full.keys for k in ks]
+    steps = len(full.keys)
+    assert steps >= 8 and len(epoch_keys) == len(set(epoch_keys))
+
+    stop = steps // 2 - 1
+    first = KeyRecorder()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=stop, save_top_k=-1)
+    trainer(tmp_path / "a", max_steps=stop, callbacks=[ckpt]).fit(first, make_dm(tmp_path / "data", **dm_args))
+    assert len(first.keys) == stop
+    path = next((tmp_path / "ckpt").glob(f"*step={stop}.ckpt"))
+    assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+    second = KeyRecorder()
+    trainer(tmp_path / "b", max_epochs=1).fit(second, make_dm(tmp_path / "data", **dm_args), ckpt_path=path)
+    resumed = [k for ks in first.keys + second.keys for k in ks]
+    assert len(first.keys) + len(second.keys) == steps
+    assert len(resumed) == len(set(resumed))  # nothing repeated
+    assert sorted(resumed) == sorted(epoch_keys)  # nothing skipped: exactly the uninterrupted epoch
+
+
+def test_epochs_reshuffle_and_trainer_sets_epoch(tmp_path):
+    write_dataset(tmp_path / "data", n=60)
+    model = KeyRecorder()
+    trainer(tmp_path, max_epochs=2).fit(model, make_dm(tmp_path / "data"))
+    half = len(model.keys) // 2
+    e0, e1 = model.keys[:half], model.keys[half:]
+    assert e0 != e1  # set_epoch reached the sampler: a new order
+    dm = make_dm(tmp_path / "data")
+    assert [b["keys"] for b in epoch_batches(dm, epoch=1)] == e1

@@ -1,0 +1,50 @@
+"""FusedAdaLNSurgery: apply `apply_fused_adaln` to the LightningModule in `setup()`.
+
+`setup()` runs before `configure_model` and before the strategy (FSDP, DDP) wraps the model, so
+the blocks keep their classes for auto-wrap and activation-checkpointing policies. Models built
+inside `configure_model` do not exist yet at that point: call `apply_fused_adaln` at the end of
+`configure_model` instead (docs/surgery.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_adaptiveload.surgery import SurgeryReport, apply_fused_adaln
+
+
+class FusedAdaLNSurgery(Callback):
+    """Swap recognised AdaLN modules for the fused op before the model is wrapped.
+
+    patterns: pattern names to use (default all, see `surgery.PATTERN_NAMES`).
+    require_replacement: raise in setup() if nothing was replaced (guards against a silent no-op,
+        e.g. an unchecked library version or a model built in `configure_model`).
+    The report is kept in `self.report`, logged on rank 0 and written to
+    `<log_dir>/fused_adaln_surgery.json` when the trainer has a log dir.
+    """
+
+    def __init__(self, patterns: Iterable[str] | None = None, require_replacement: bool = False) -> None:
+        self.patterns = None if patterns is None else list(patterns)
+        self.require_replacement = require_replacement
+        self.report: SurgeryReport | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        report = apply_fused_adaln(pl_module, patterns=self.patterns)
+        fused = report.num_replaced + sum(len(names) for names in report.already_fused.values())
+        if self.require_replacement and fused == 0:
+            raise RuntimeError(
+                "FusedAdaLNSurgery(require_replacement=True): no AdaLN module was fused in "
+                f"{type(pl_module).__name__}.\n{report}\nIf the model is built in configure_model, call "
+                "apply_fused_adaln there instead (docs/surgery.md)."
+            )
+        if self.report is None or report.num_replaced:  # keep the first report across fit/validate stages
+            self.report = report
+        rank_zero_info(str(report))
+        if trainer.is_global_zero and trainer.log_dir is not None:
+            os.makedirs(trainer.log_dir, exist_ok=True)
+            with open(os.path.join(trainer.log_dir, "fused_adaln_surgery.json"), "w") as f:
+                json.dump(report.to_dict(), f, indent=1)

@@ -1,0 +1,54 @@
+"""The project's example Wan-2.1-style blocks (examples/video_dit/model.py: `DiTBlock`, `Head`).
+
+They modulate like Wan 2.1: `(norm(x.to(acc)) * (1 + scale) + shift).type_as(x)` with
+acc = promote(x.dtype, fp32) and fp32 (B, 1, D) chunks of `modulation + e`, autocast disabled.
+For bf16/fp16/fp32 x that is the fused op's math exactly (fp32, one cast back); fp64 x (acc is
+fp64) runs the original forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_adaptiveload.surgery.core import Pattern, fused_modulate_fp32, layer_norms_check, run_original, upcast_fallback_reason
+
+CHECKED_AT = "examples/video_dit/model.py @ 7aeea50"
+
+
+def block_forward(self: nn.Module, x: Tensor, e: Tensor, context: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """examples.video_dit.model.DiTBlock.forward with norm1/norm2 modulation fused."""
+    reason = upcast_fallback_reason(x)
+    if reason is not None:
+        return run_original(self, reason, x, e, context, rope)
+    acc = torch.float32
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = (
+            self.modulation.to(acc) + e.to(acc)).chunk(6, dim=1)
+        h = fused_modulate_fp32(self.norm1, x, shift_msa, scale_msa)
+    y = self.self_attn(h, rope)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        x = (x.to(acc) + y.to(acc) * gate_msa).type_as(x)
+    x = x + self.cross_attn(self.norm3(x), context).type_as(x)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        h = fused_modulate_fp32(self.norm2, x, shift_ffn, scale_ffn)
+    y = self.ffn(h)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        x = (x.to(acc) + y.to(acc) * gate_ffn).type_as(x)
+    return x
+
+
+def head_forward(self: nn.Module, x: Tensor, time_emb: Tensor) -> Tensor:
+    """examples.video_dit.model.Head.forward with the final modulation fused."""
+    reason = upcast_fallback_reason(x)
+    if reason is not None:
+        return run_original(self, reason, x, time_emb)
+    acc = torch.float32
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        shift, scale = (self.modulation.to(acc) + time_emb.to(acc)[:, None]).chunk(2, dim=1)
+        h = fused_modulate_fp32(self.norm, x, shift, scale)
+    return self.head(h)
+
+
+VIDEO_DIT_BLOCK = Pattern("video_dit.DiTBlock", "DiTBlock", block_forward, {"cbd95021efe5af70": CHECKED_AT}, layer_norms_check("norm1", "norm2"))
+VIDEO_DIT_HEAD = Pattern("video_dit.Head", "Head", head_forward, {"3b8cb1b1da388bbf": CHECKED_AT}, layer_norms_check("norm"))
+PATTERNS = [VIDEO_DIT_BLOCK, VIDEO_DIT_HEAD]

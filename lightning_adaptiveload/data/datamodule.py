@@ -24,17 +24,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.cost_model import CostModel, load_cost_model
-from lightning_adaptiveload.data.index import build_index, read_index, read_members
-from lightning_adaptiveload.data.shards import (BadSample, check_config, decode_sample, resolve_shards,
-                                                shape_for_tokens, write_synthetic_shards)
+from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
+from lightning_adaptiveload.data.shards import (SKIPPED_KEY, BadSample, check_config, decode_sample,
+                                                inspect_sample, mix_latent_shapes, resolve_shards, shape_for_tokens,
+                                                write_synthetic_shards)
+from lightning_adaptiveload.data.stream import StreamingLatentDataset
 from lightning_adaptiveload.policies import POLICIES, batch_sizes
 from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
-from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.streaming import make_stream_plan
 
 log = logging.getLogger(__name__)
 
 REFERENCE_MIX = str(Path(__file__).with_name("reference_mix.jsonl"))
-SKIPPED_KEY = "skipped"  # batch entry carrying skip counts out of DataLoader workers
+PROBE_SAMPLES = 256  # streaming without a shapes file: valid samples read at setup to learn the mix
 
 
 # --- scheduling keys -------------------------------------------------------------------------
@@ -74,8 +77,9 @@ class IndexedShardDataset(Dataset):
 
 
 def collate_samples(samples: list[dict]) -> dict:
-    """Stack decoded samples of one shape into a batch dict; skip markers become
-    batch["skipped"] (reason -> count). Raises if no sample of the batch survived."""
+    """Stack decoded samples into a batch dict; skip markers become batch["skipped"] (reason ->
+    count). Samples whose shape differs from the batch's first (two unplanned shapes with equal
+    tokens in one streaming bucket) are skipped as "shape_collision". Raises if none survived."""
     good = [s for s in samples if "skip" not in s]
     skipped = Counter(s["skip"] for s in samples if "skip" in s)
     if not good:
@@ -83,53 +87,84 @@ def collate_samples(samples: list[dict]) -> dict:
         raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
                            f"indexing? Re-run `adaptiveload index`.")
     shape = good[0]["latent_shape"]
-    if any(s["latent_shape"] != shape for s in good):
-        raise RuntimeError(f"a batch mixes latent shapes {sorted({s['latent_shape'] for s in good})}: "
-                           f"samples were scheduled with inconsistent keys")
+    skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
+    good = [s for s in good if s["latent_shape"] == shape]
     return {
         "latents": torch.stack([s["latent"] for s in good]),
         "text": torch.stack([s["text"] for s in good]),
         "seq_len": int(good[0]["seq_len"]),
         "latent_shape": tuple(shape),
         "keys": [s["key"] for s in good],
-        SKIPPED_KEY: dict(skipped),
+        SKIPPED_KEY: {k: v for k, v in skipped.items() if v},
     }
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader over a BucketBatchSampler that Lightning checkpoints (it has state_dict /
-    load_state_dict) and that moves the sampler to the trainer's epoch when iteration starts
-    (Lightning calls set_epoch only on a loader's `sampler`, not on a custom batch sampler).
+    """A DataLoader that Lightning checkpoints (it has state_dict / load_state_dict) and that moves
+    its data to the trainer's epoch when iteration starts (Lightning calls set_epoch only on a
+    loader's `sampler`, not on a custom batch sampler or an iterable dataset).
 
-    The saved step count is the batches this loader handed out, not the ones its sampler
-    dispatched to workers ahead of time, so a resume neither repeats nor skips a batch."""
+    Map-style: the state is the BucketBatchSampler's, with the step count of batches this loader
+    handed out (not those its sampler dispatched to workers ahead of time), so a resume neither
+    repeats nor skips a sample. Streaming: the state is (epoch, steps done); a resume runs the
+    remaining steps of the epoch from a fresh position of the (resampled) stream."""
 
     def __init__(self, *args, epoch_fn=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.epoch_fn = epoch_fn
         self.steps_taken = 0
 
-    def __iter__(self):
+    @property
+    def streaming(self) -> bool:
+        return isinstance(self.dataset, StreamingLatentDataset)
+
+    def _start_epoch(self) -> int:
+        """Move to the trainer's epoch if it changed; returns the steps of this epoch already taken."""
+        epoch = self.epoch_fn() if self.epoch_fn is not None else None
+        if self.streaming:
+            data = self.dataset
+            if epoch is not None and epoch != data.epoch:
+                data.epoch, data.steps_done = epoch, 0
+            elif data.steps_done >= data.steps_per_epoch:
+                data.steps_done = 0
+            return data.steps_done
         sampler = self.batch_sampler
-        if self.epoch_fn is not None and self.epoch_fn() != sampler.epoch:
-            sampler.set_epoch(self.epoch_fn())
-        remaining = len(sampler)
-        self.steps_taken = len(sampler.plan().steps) - remaining
+        if epoch is not None and epoch != sampler.epoch:
+            sampler.set_epoch(epoch)
+        return len(sampler.plan().steps) - len(sampler)
+
+    def __iter__(self):
+        self.steps_taken = self._start_epoch()
         for batch in super().__iter__():
             self.steps_taken += 1
             yield batch
+        if self.streaming:
+            self.dataset.steps_done = 0
 
     def __len__(self) -> int:
         """Steps of the whole epoch, also after a resume (Lightning reads the length after
         restoring the state and counts the restored steps towards it)."""
+        if self.streaming:
+            return self.dataset.steps_per_epoch
         earlier = sum(k for _, k in self.batch_sampler.state_dict()["segments"][:-1])
         return earlier + len(self.batch_sampler.plan().steps)
 
     def state_dict(self) -> dict:
+        if self.streaming:
+            return {"streaming": True, "epoch": self.dataset.epoch, "steps_done": self.steps_taken,
+                    "steps_per_epoch": self.dataset.steps_per_epoch}
         return self.batch_sampler.state_dict(steps_consumed=self.steps_taken)
 
     def load_state_dict(self, state: dict) -> None:
-        self.batch_sampler.load_state_dict(state)
+        if self.streaming != bool(state.get("streaming")):
+            raise ValueError("loader state was saved by the other data path (map-style vs streaming)")
+        if not self.streaming:
+            self.batch_sampler.load_state_dict(state)
+            return
+        if state["steps_per_epoch"] != self.dataset.steps_per_epoch:
+            raise ValueError(f"loader state has steps_per_epoch {state['steps_per_epoch']}, "
+                             f"this run {self.dataset.steps_per_epoch}")
+        self.dataset.epoch, self.dataset.steps_done = int(state["epoch"]), int(state["steps_done"])
 
 
 # --- the DataModule -----------------------------------------------------------------------------
@@ -153,6 +188,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         num_workers: DataLoader workers. seed: shuffling seed (all ranks share it).
         steps_per_epoch: batches per rank per epoch on the streaming path.
         shuffle_buffer: samples shuffled before bucketing (streaming), per worker.
+        max_buffer_samples, max_buffer_bytes: bound of the streaming batcher's bucket buffers, per
+            worker (samples, bytes of decoded tensors).
         shapes: shapes JSONL describing the stream's mix (streaming: bucket table for calibration).
         synthesize: if set and `shards` (a folder) holds no tars, `prepare_data` writes this many
             synthetic samples there (and the index, if `index` is set and missing).
@@ -166,7 +203,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  vae_stride_t: int = 4, vae_stride_s: int = 8, patch: tuple[int, int, int] = (1, 2, 2),
                  extra_tokens: int = 0, latent_channels: int = 16, text_len: int = 512, text_dim: int = 4096,
                  num_workers: int = 2, seed: int = 0, steps_per_epoch: int | None = None,
-                 shuffle_buffer: int = 256, shapes: str | None = None, synthesize: int | None = None,
+                 shuffle_buffer: int = 256, max_buffer_samples: int = 4096, max_buffer_bytes: int = 4 << 30,
+                 shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0):
         super().__init__()
         if policy not in POLICIES:
@@ -186,13 +224,15 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.latent_channels, self.text_len, self.text_dim = latent_channels, text_len, text_dim
         self.num_workers, self.seed = num_workers, seed
         self.steps_per_epoch, self.shuffle_buffer, self.shapes = steps_per_epoch, shuffle_buffer, shapes
+        self.max_buffer_samples, self.max_buffer_bytes = max_buffer_samples, max_buffer_bytes
         self.synthesize, self.synthesize_shapes = synthesize, synthesize_shapes
         self.synthesize_latent_scale = synthesize_latent_scale
         self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
         self.skipped: Counter = Counter()
         self.dataset: IndexedShardDataset | None = None
-        self._keys = None  # (N,) scheduled token count per indexed sample
+        self._keys = None  # map-style: (N,) scheduled token count per indexed sample
         self._key_shape: dict[int, tuple[int, int, int]] = {}  # scheduled count -> latent (T, H, W)
+        self._key_count: dict[int, int] = {}  # scheduled count -> samples (index) or weight (shapes mix)
 
     # -- data preparation and setup --
 
@@ -215,6 +255,17 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.shard_paths = resolve_shards(self.shards)
         if self.index_path:
             self._setup_indexed()
+        else:
+            self._setup_streaming()
+
+    def _set_table(self, shapes: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Scheduling keys of (n, 3) shapes with (n,) tokens; fills the bucket table; returns keys."""
+        keys = schedule_keys(shapes, tokens)
+        self._key_shape = {int(k): tuple(int(v) for v in sh) for k, sh in zip(keys, shapes)}
+        self._key_count = Counter()
+        for k, w in zip(keys.tolist(), weights.tolist()):
+            self._key_count[k] += int(w)
+        return keys
 
     def _setup_indexed(self) -> None:
         rows = read_index(self.index_path)
@@ -241,10 +292,52 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         if not kept:
             raise ValueError(f"no sample of index {self.index_path!r} fits this configuration "
                              f"(skipped: {dict(skipped)})")
-        shapes, tokens = np.asarray(shapes, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
-        self._keys = schedule_keys(shapes, tokens)
-        self._key_shape = {int(k): tuple(int(v) for v in s) for k, s in zip(self._keys, shapes)}
+        self._keys = self._set_table(np.asarray(shapes, dtype=np.int64), np.asarray(tokens, dtype=np.int64),
+                                     np.ones(len(kept), dtype=np.int64))
         self.dataset = IndexedShardDataset(kept, self._decode_kwargs())
+
+    def _setup_streaming(self) -> None:
+        if isinstance(self.steps_per_epoch, bool) or not isinstance(self.steps_per_epoch, int) or self.steps_per_epoch < 1:
+            raise ValueError(f"the streaming path (no index) needs steps_per_epoch >= 1, got {self.steps_per_epoch!r}")
+        mix_file = self.shapes or self.synthesize_shapes
+        probed, probe_skipped = self._probe(1 if mix_file else PROBE_SAMPLES)
+        if not probed:
+            raise ValueError(f"no valid sample in the {len(self.shard_paths)} shards of {self.shards!r} for this "
+                             f"configuration (skipped: {dict(probe_skipped)})")
+        if mix_file:
+            mix = read_shapes_jsonl(mix_file, self.spec)
+            scale = self.synthesize_latent_scale if not self.shapes else 1.0
+            rows = []
+            for thw, count in zip(mix_latent_shapes(mix, self.spec, scale), mix.counts):
+                try:
+                    thw, tokens = check_config("shapes mix", self.latent_channels, tuple(int(v) for v in thw), None,
+                                               **self._check_kwargs())
+                except BadSample:
+                    continue
+                rows.append((*thw, tokens, int(count)))
+            if not rows:
+                raise ValueError(f"no shape of {mix_file!r} fits max_seq_len={self.max_seq_len}")
+        else:
+            rows = [(*thw, tokens, n) for (thw, tokens), n in Counter(probed).items()]
+        rows = np.asarray(rows, dtype=np.int64)
+        self._set_table(rows[:, :3], rows[:, 3], rows[:, 4])
+
+    def _probe(self, limit: int) -> tuple[list, Counter]:
+        """Up to `limit` valid samples' (latent (T, H, W), tokens) from the first shards, and skip counts."""
+        found, skipped = [], Counter()
+        for shard in self.shard_paths:
+            for key, _, files, error in scan_shard(shard):
+                try:
+                    if error is not None:
+                        raise error
+                    _, latent, text = inspect_sample(key, files)
+                    found.append(check_config(key, latent.shape[0], tuple(latent.shape[1:]),
+                                              None if text is None else text.shape[1], **self._check_kwargs()))
+                except BadSample as e:
+                    skipped[e.reason] += 1
+                if len(found) >= limit:
+                    return found, skipped
+        return found, skipped
 
     def _check_kwargs(self) -> dict:
         return {"spec": self.spec, "latent_channels": self.latent_channels, "text_dim": self.text_dim,
@@ -262,14 +355,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         return np.asarray(sorted(self._key_shape), dtype=np.int64)
 
     def bucket_table(self) -> list[dict]:
-        """One row per bucket: seq_len (scheduled tokens), latent_shape, samples, batch_size under
-        the current policy, cost model and m_mem."""
+        """One row per bucket: seq_len (scheduled tokens), latent_shape, samples (in the index; on
+        the streaming path the shapes mix's count or probed samples), batch_size under the current
+        policy, cost model and m_mem."""
         seq_lens = self.bucket_seq_lens()
         m_comp, p = resolve_compute_budget(self.policy, self.m_mem, int(seq_lens[-1]), self.m_comp, self.p,
                                            self.cost_model)
         sizes = batch_sizes(seq_lens, self.policy, self.m_mem, m_comp, p)
-        counts = Counter(self._keys.tolist()) if self._keys is not None else {}
-        return [{"seq_len": int(s), "latent_shape": self._key_shape[int(s)], "samples": counts.get(int(s), 0),
+        return [{"seq_len": int(s), "latent_shape": self._key_shape[int(s)], "samples": self._key_count[int(s)],
                  "batch_size": int(b)} for s, b in zip(seq_lens, sizes)]
 
     def set_cost_model(self, cost_model: CostModel, m_mem: int | None = None) -> None:
@@ -305,20 +398,47 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                                   cost_model=self.cost_model, num_replicas=num_replicas, rank=rank,
                                   seed=self.seed, max_seq_len=int(self._keys.max()))
 
+    def build_stream_dataset(self, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
+        """The streaming dataset of one rank for the current configuration and cost model."""
+        seq_lens = self.bucket_seq_lens()
+        mix = ShapeMix(tokens=seq_lens, counts=np.array([self._key_count[int(k)] for k in seq_lens]),
+                       latent_thw=np.array([self._key_shape[int(k)] for k in seq_lens]))
+        # True tokens are checked against max_seq_len when decoding; keys may sit above it by at
+        # most the number of planned keys (collision offsets), which the batcher must accept.
+        plan = make_stream_plan(mix, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
+                                cost_model=self.cost_model,
+                                max_seq_len=max(self.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
+        keys = {shape: key for key, shape in self._key_shape.items()}
+        return StreamingLatentDataset(self.shard_paths, plan, keys=keys, decode_kwargs=self._decode_kwargs(),
+                                      collate=collate_samples, steps_per_epoch=self.steps_per_epoch, rank=rank,
+                                      world_size=num_replicas, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
+                                      max_buffer_samples=self.max_buffer_samples,
+                                      max_buffer_bytes=self.max_buffer_bytes)
+
+    def build_train_loader(self, num_replicas: int | None = None, rank: int | None = None,
+                           epoch_fn=None) -> ResumableLoader:
+        """The train loader of `rank` out of `num_replicas` (default: torch.distributed's, else
+        1 and 0), either path. `epoch_fn() -> int` moves it to a new epoch on each iteration."""
+        common = dict(num_workers=self.num_workers, pin_memory=torch.cuda.is_available(), epoch_fn=epoch_fn)
+        if self.dataset is not None:
+            return ResumableLoader(self.dataset, batch_sampler=self.build_sampler(num_replicas, rank),
+                                   collate_fn=collate_samples, persistent_workers=self.num_workers > 0, **common)
+        if num_replicas is None or rank is None:
+            world = torch.distributed.is_available() and torch.distributed.is_initialized()
+            num_replicas = torch.distributed.get_world_size() if world else 1
+            rank = torch.distributed.get_rank() if world else 0
+        # Workers restart each epoch so they see the dataset's new epoch (a fork copies it).
+        return ResumableLoader(self.build_stream_dataset(num_replicas, rank), batch_size=None, **common)
+
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
-        if trainer is not None and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+        if trainer is None:
+            return self.build_train_loader()
+        if self.dataset is not None and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("AdaptiveLoadDataModule plans batches for every rank itself: create the Trainer with "
                              "use_distributed_sampler=False")
-        num_replicas = trainer.world_size if trainer is not None else None
-        rank = trainer.global_rank if trainer is not None else None
-        if self.dataset is None:
-            raise RuntimeError("the streaming path (no index) is not wired yet")
-        sampler = self.build_sampler(num_replicas, rank)
-        return ResumableLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                               collate_fn=collate_samples, persistent_workers=self.num_workers > 0,
-                               pin_memory=torch.cuda.is_available(),
-                               epoch_fn=(lambda: self.trainer.current_epoch) if trainer is not None else None)
+        return self.build_train_loader(trainer.world_size, trainer.global_rank,
+                                       epoch_fn=lambda: self.trainer.current_epoch)
 
     # -- skip accounting --
 

@@ -50,7 +50,9 @@ SKIP_REASONS = (
     "non_finite",        # latent holds NaN or inf
     "bad_text",          # text embedding undecodable, not (L, D_text), or not float
     "over_max_seq_len",  # tokens above max_seq_len with oversize="drop"
+    "shape_collision",   # streaming: an unplanned shape shared a bucket with another shape
 )
+SKIPPED_KEY = "skipped"  # batch entry carrying skip counts out of DataLoader workers
 
 
 class BadSample(ValueError):

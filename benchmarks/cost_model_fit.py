@@ -5,8 +5,13 @@ that matter for training: those of the shapes a bucket table schedules for a sha
 dual-constraint rule (M_comp from CostModel.m_comp with S_ref = longest bucket):
   exact: measured points whose (B, S) equals a scheduled (B, S) pair;
   near:  measured points within a factor 2 in B and in S of some scheduled pair.
+With --validate, also on a second measurements file the models never saw (e.g. the scheduled
+shapes measured by benchmarks/cost_model_fit_measure.py in the same session as the curve).
 
     python benchmarks/cost_model_fit.py  # H200 curve and reference mix shipped with the package
+    python benchmarks/cost_model_fit.py --curve benchmarks/results/cost_model_fit_h200_grid.json \
+        --validate benchmarks/results/cost_model_fit_h200_schedule.json \
+        --out benchmarks/results/cost_model_fit_h200.json
 """
 from __future__ import annotations
 
@@ -41,11 +46,24 @@ def error_summary(rel: np.ndarray) -> dict:
     return {"n": int(rel.size), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
 
 
+def repeat_noise(curve_path: str) -> dict | None:
+    """|t_repeat - t| / t over a curve whose points carry a second timing "time_ms_repeat"."""
+    rows = json.loads(Path(curve_path).read_text())["measurements"]
+    if not all("time_ms_repeat" in r for r in rows):
+        return None
+    t = np.array([r["time_ms"] for r in rows])
+    diff = np.abs(np.array([r["time_ms_repeat"] for r in rows]) - t) / t
+    big = np.array([r["batch_size"] * r["seq_len"] >= 16384 for r in rows])
+    return {"mean_rel_diff": float(diff.mean()), "max_rel_diff": float(diff.max()),
+            "mean_rel_diff_bs_ge_16384": float(diff[big].mean())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--curve", default=str(DATA / "h200_dit_cost_curve.json"), help="measurements JSON")
     parser.add_argument("--mix", default=str(DATA / "reference_mix.jsonl"), help="shapes JSONL to schedule")
     parser.add_argument("--m-mem", type=int, default=65536, help="memory budget B*S (tokens)")
+    parser.add_argument("--validate", help="measurements JSON of unseen shapes to report error on")
     parser.add_argument("--out", default=str(RESULTS / "cost_model_fit.json"), help="result JSON; PNGs beside it")
     args = parser.parse_args(argv)
 
@@ -64,11 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     exact = np.array([np.any((bucket_b == bi) & (bucket_s == si)) for bi, si in zip(b, s)])
     near = near_schedule(b, s, bucket_b.astype(np.float64), bucket_s.astype(np.float64), 2.0)
 
+    if args.validate:
+        vb, vs, vt = read_measurements(args.validate)
     rows = {}
     for form, model in models.items():
         rel = np.abs(model.predict(b, s) - t) / t
         rows[form] = {"params": model.params, "quality": model.quality,
                       "scheduled_exact": error_summary(rel[exact]), "scheduled_near": error_summary(rel[near])}
+        if args.validate:
+            rows[form]["validation"] = error_summary(np.abs(model.predict(vb, vs) - vt) / vt)
 
     header = (f"{'form':<17} {'R^2':>7} {'mean':>6} {'max':>6} {'cv mean':>8} {'cv max':>7} "
               f"{'exact mean':>10} {'exact max':>9} {'near mean':>9} {'near max':>8}  params")
@@ -84,6 +106,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * ex['mean_rel_err']:10.1f} {100 * ex['max_rel_err']:9.1f} "
               f"{100 * nr['mean_rel_err']:9.1f} {100 * nr['max_rel_err']:8.1f}  {params}")
     print(f"auto picks: {auto.form}; p (power form) = {auto.p:.4f}; M_comp = {m_comp:.4g} (S_ref = {s_ref})")
+    if args.validate:
+        print(f"\nunseen shapes of {args.validate} ({len(vt)} points), relative error in %:")
+        for form, row in rows.items():
+            v = row["validation"]
+            print(f"{form:<17} mean {100 * v['mean_rel_err']:5.1f}  max {100 * v['max_rel_err']:5.1f}")
+    run_to_run = repeat_noise(args.curve)
+    if run_to_run:
+        print(f"run-to-run noise of the curve (time_ms_repeat): mean {100 * run_to_run['mean_rel_diff']:.1f}%, "
+              f"max {100 * run_to_run['max_rel_diff']:.1f}%; at B*S >= 16384: mean "
+              f"{100 * run_to_run['mean_rel_diff_bs_ge_16384']:.1f}%")
 
     schedule = []
     print(f"\nschedule (dual-constraint, S_ref={s_ref}); ms predicted by {auto.form}")
@@ -102,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         png = out.with_name(f"{out.stem}_{form}.png")
         plot_fit(model, b, s, t, png)
         pngs[form] = png.name
+    if args.validate:
+        png = out.with_name(f"{out.stem}_{auto.form}_validation.png")
+        plot_fit(auto, vb, vs, vt, png)
+        pngs["validation"] = png.name
     curve_doc = json.loads(Path(args.curve).read_text())
     result = {
         "benchmark": "cost_model_fit",
@@ -112,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
                      "lightning_adaptiveload": lightning_adaptiveload.__version__},
         "curve": {"path": args.curve, "device": curve_doc.get("device"), "points": len(t)},
+        "validate": args.validate,
+        "run_to_run": run_to_run,
         "mix": args.mix,
         "m_mem": args.m_mem,
         "s_ref": s_ref,

@@ -65,7 +65,7 @@ def batch_costs(batch_len: np.ndarray, batch_seq_len: np.ndarray, p: float | Non
 class EpochPlan:
     """The global plan of one epoch (or of the rest of one, after a resume).
 
-    order: (n_in_batches,) int64 dataset indices; batch i is order[batch_start[i]:][:batch_len[i]].
+    order: (n_in_batches,) int32 (int64 above 2^31 samples) dataset indices; batch i is order[batch_start[i]:][:batch_len[i]].
     batch_start, batch_len, batch_seq_len: (n_batches,) int64 (offset, samples, tokens per sample).
     steps: (n_steps, world_size) int64 batch id run by each rank at each step.
     stats: sample and batch counts, including everything left out (see plan_epoch).
@@ -86,9 +86,13 @@ class EpochPlan:
     def step_indices(self, start: int, stop: int) -> np.ndarray:
         """All dataset indices of steps [start, stop) on all ranks, concatenated."""
         ids = self.steps[start:stop].ravel()
-        if ids.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([self.order[s: s + n] for s, n in zip(self.batch_start[ids], self.batch_len[ids])])
+        return self.order[ranges_to_positions(self.batch_start[ids], self.batch_len[ids])]
+
+
+def ranges_to_positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
+    ends = np.cumsum(lens)
+    return np.repeat(starts - ends + lens, lens) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
 def _split_into(starts: list[int], lens: list[int], parts: int) -> tuple[list[int], list[int]]:
@@ -106,10 +110,11 @@ def _split_into(starts: list[int], lens: list[int], parts: int) -> tuple[list[in
 def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: np.ndarray, *,
                policy: str, world_size: int, seed: int, epoch: int, drop_last: bool = True,
                exclude: np.ndarray | None = None, segment: int = 0, p: float | None = None,
-               cost_model=None) -> EpochPlan:
+               cost_model=None, grouped: np.ndarray | None = None) -> EpochPlan:
     """Global plan of an epoch. bucket_of: (N,) int64 bucket of each sample, -1 = dropped (oversize);
     bucket_seq_len, bucket_batch: (K,) int64 tokens and batch size of each bucket; exclude: (N,) bool,
-    samples already consumed (a resume); segment: which re-plan of the epoch this is (RNG stream).
+    samples already consumed (a resume); segment: which re-plan of the epoch this is (RNG stream);
+    grouped: group_by_bucket(bucket_of), computed here when not given.
 
     stats keys: samples_total, samples_consumed_before (excluded), dropped_oversize,
     dropped_partial_batch (drop_last), dropped_step_remainder (batches that could not fill a
@@ -125,11 +130,13 @@ def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: 
     if exclude is not None:
         consumed = int((exclude & keep).sum())
         keep &= ~exclude
-    # Shuffle, then stable-sort by bucket: each bucket becomes a contiguous, shuffled run of `order`.
-    order = rng.permutation(np.flatnonzero(keep))
-    order = order[np.argsort(bucket_of[order], kind="stable")]
-    counts = np.bincount(bucket_of[order], minlength=len(bucket_seq_len))
-    offsets = np.cumsum(counts) - counts
+    # Each bucket is a contiguous run of `order`, shuffled in place.
+    grouped = group_by_bucket(bucket_of) if grouped is None else grouped
+    order = grouped[keep[grouped]]
+    bounds = np.searchsorted(bucket_of[order], np.arange(len(bucket_seq_len) + 1))  # `order` is bucket-sorted
+    offsets, counts = bounds[:-1], np.diff(bounds)
+    for k in np.flatnonzero(counts > 1):
+        rng.shuffle(order[offsets[k]: offsets[k] + counts[k]])
     full = counts // bucket_batch
     partial = counts - full * bucket_batch
 
@@ -150,7 +157,11 @@ def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: 
     n_steps, rest = divmod(len(shuffled), world_size)
     grouped, leftover = shuffled[: n_steps * world_size], shuffled[n_steps * world_size:]
     if policy == "balanced":
-        costs = batch_costs(batch_len[grouped], bucket_seq_len[bucket[grouped]], p, cost_model)
+        # full batches of a bucket share one cost: price K buckets plus the few partial batches
+        costs = batch_costs(bucket_batch, bucket_seq_len, p, cost_model)[bucket[grouped]]
+        partial_ids = np.flatnonzero(batch_len[grouped] != bucket_batch[bucket[grouped]])
+        costs[partial_ids] = batch_costs(batch_len[grouped[partial_ids]], bucket_seq_len[bucket[grouped[partial_ids]]],
+                                         p, cost_model)
         grouped = grouped[np.argsort(costs, kind="stable")]  # ties keep their random order
     steps = grouped.reshape(n_steps, world_size)
     if policy == "balanced":
@@ -185,8 +196,15 @@ def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: 
                      batch_seq_len=bucket_seq_len[bucket].astype(np.int64), steps=steps.astype(np.int64), stats=stats)
 
 
+def group_by_bucket(bucket_of: np.ndarray) -> np.ndarray:
+    """Sample indices ordered by bucket (stable), int32 below 2^31 samples; the per-epoch plan only
+    shuffles within buckets, so this sort runs once per sampler (int16 keys use a radix sort)."""
+    keys = bucket_of.astype(np.int16) if bucket_of.max(initial=0) < 2**15 else bucket_of
+    return np.argsort(keys, kind="stable").astype(np.int32 if len(bucket_of) < 2**31 else np.int64)
+
+
 def assign_buckets(seq_lens: np.ndarray, max_seq_len: int, oversize: str = "drop") -> tuple[np.ndarray, np.ndarray]:
-    """(bucket_of (N,) int64 with -1 for dropped samples, bucket_seq_len (K,) int64 sorted tokens).
+    """(bucket_of (N,) int32 with -1 for dropped samples, bucket_seq_len (K,) int64 sorted tokens).
     oversize="resize" puts samples above max_seq_len in the largest bucket <= max_seq_len."""
     if oversize not in OVERSIZE:
         raise ValueError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
@@ -203,14 +221,11 @@ def assign_buckets(seq_lens: np.ndarray, max_seq_len: int, oversize: str = "drop
     if not fits.any():
         raise ValueError(f"every sample is longer than max_seq_len={max_seq_len} tokens "
                          f"(shortest has {int(seq_lens.min())})")
-    bucket_seq_len, inverse = np.unique(np.where(fits, seq_lens, -1), return_inverse=True)
-    inverse = inverse.reshape(-1).astype(np.int64)
-    if bucket_seq_len[0] == -1:  # the oversize samples' placeholder bucket
-        bucket_seq_len = bucket_seq_len[1:]
-        inverse -= 1
-        if oversize == "resize":
-            inverse[inverse < 0] = len(bucket_seq_len) - 1
-    return inverse, bucket_seq_len
+    # Unique values then searchsorted: cheaper than np.unique(return_inverse=True) on N samples.
+    bucket_seq_len = np.unique(seq_lens[fits])
+    bucket_of = np.searchsorted(bucket_seq_len, seq_lens).astype(np.int32)
+    bucket_of[~fits] = len(bucket_seq_len) - 1 if oversize == "resize" else -1
+    return bucket_of, bucket_seq_len
 
 
 def _dist_world() -> tuple[int, int]:
@@ -257,6 +272,7 @@ class BucketBatchSampler(Sampler):
         if policy == "balanced" and self.p is None:
             raise ValueError("policy 'balanced' needs p or a cost_model to predict batch costs")
         self.bucket_batch = batch_sizes(self.bucket_seq_len, policy, self.m_mem, self.m_comp, self.p)
+        self._grouped = group_by_bucket(self.bucket_of)
         self.epoch = 0
         self._segments = [[self.num_replicas, 0]]  # [world_size, steps consumed] per (re-)plan of this epoch
         self._cache_key, self._cache_plan = None, None
@@ -270,7 +286,7 @@ class BucketBatchSampler(Sampler):
         return plan_epoch(self.bucket_of, self.bucket_seq_len, self.bucket_batch, policy=self.policy,
                           world_size=segments[index][0], seed=self.seed, epoch=self.epoch,
                           drop_last=self.drop_last, exclude=exclude, segment=index, p=self.p,
-                          cost_model=self.cost_model)
+                          cost_model=self.cost_model, grouped=self._grouped)
 
     def plan(self) -> EpochPlan:
         """The plan this sampler is on: the epoch's, or its re-plan after a resume with another

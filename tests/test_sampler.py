@@ -121,10 +121,11 @@ def test_balanced_is_optimal_grouping():
     assert rnd_costs.max(axis=1).sum() > 1.2 * step_costs.max(axis=1).sum()
 
 
+@pytest.mark.parametrize("policy", ["dual_constraint", "balanced"])
 @pytest.mark.parametrize("world", [2, 8])
-def test_drop_last_false_keeps_partials(world):
+def test_drop_last_false_keeps_partials(world, policy):
     seq_lens = random_seq_lens(2500, seed=world + 20)
-    samplers = make_ranks(seq_lens, world, policy="dual_constraint", m_mem=M_MEM, cost_model=power_model(),
+    samplers = make_ranks(seq_lens, world, policy=policy, m_mem=M_MEM, cost_model=power_model(),
                           drop_last=False)
     per_rank = [list(s) for s in samplers]
     assert len({len(b) for b in per_rank}) == 1

@@ -239,7 +239,7 @@ class CostModel:
         S_ref is where the two constraints cross: for p > 1 buckets shorter than S_ref stay
         memory-bound and longer ones become compute-bound. With S_ref = the longest scheduled
         bucket (no bucket gets more compute than the straggler), the compute bound therefore only
-        bites through rounding of m_mem // S and the schedule is close to token-equal; a shorter
+        bites as far as B_ref * S_ref falls short of m_mem (rounding of m_mem // S_ref); a shorter
         S_ref throttles every longer bucket to B * S^p <= M_comp (docs/cost_model.md)."""
         for name, value in (("m_mem", m_mem), ("ref_seq_len", ref_seq_len)):
             if isinstance(value, bool) or int(value) != value or value < 1:

@@ -90,6 +90,27 @@ def test_heldout_error_is_leave_one_out():
     assert model.quality["heldout_mean_rel_err"] > model.quality["mean_rel_err"]
 
 
+def test_heldout_error_is_16_fold_above_64_points_and_input_order_free():
+    rng = np.random.default_rng(13)
+    s = rng.choice(np.arange(256, 48000), size=100, replace=False).astype(float)  # distinct (B, S)
+    b = np.maximum(1, np.round(np.exp(rng.uniform(0, np.log(np.maximum(2, 131072 / s))))))
+    t = formula("power", TRUE["power"], b, s) * (1 + 0.03 * rng.standard_normal(100))
+    model = CostModel.fit(b, s, t, form="power")
+    order = sorted(range(100), key=lambda i: (s[i], b[i]))  # reference: fold = rank in (S, B) mod 16
+    fold_of = np.empty(100, dtype=int)
+    fold_of[order] = np.arange(100) % 16
+    errors = np.empty(100)
+    for f in range(16):
+        held = fold_of == f
+        fold = CostModel.fit(b[~held], s[~held], t[~held], form="power")
+        errors[held] = np.abs(fold.predict(b[held], s[held]) - t[held]) / t[held]
+    assert model.quality["heldout_mean_rel_err"] == pytest.approx(errors.mean(), rel=1e-3)
+    assert model.quality["heldout_max_rel_err"] == pytest.approx(errors.max(), rel=1e-3)
+    perm = rng.permutation(100)
+    shuffled = CostModel.fit(b[perm], s[perm], t[perm], form="power")
+    assert shuffled.quality["heldout_mean_rel_err"] == pytest.approx(model.quality["heldout_mean_rel_err"], rel=1e-6)
+
+
 def test_predict_is_vectorized_and_matches_formula():
     b, s, t = synthetic("floor_work", seed=5)
     model = CostModel.fit(b, s, t, form="floor_work")

@@ -184,6 +184,8 @@ class CostModelCalibration(Callback):
                 cache_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
             self._save_outputs(trainer, doc, feasible)
             self._report(trainer, doc, max(seq_lens))
+            if callable(getattr(datamodule, "bucket_table", None)):
+                rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
 
     # ---------------------------------------------------------------- benchmark
 
@@ -208,7 +210,7 @@ class CostModelCalibration(Callback):
                 elif self._predicted_oom(points, b, s, device):
                     point["status"] = "predicted_oom"
                 else:
-                    point.update(self._measure_point(trainer, pl_module, datamodule, b, s))
+                    point.update(self._measure_point(trainer, pl_module, datamodule, b, s, points))
                 points.append(point)
                 rank_zero_info(f"calibration {i + 1}/{len(grid)}: B={b} S={s} " + (
                     f"{point['time_ms']:.2f} ms" if point["status"] == "ok" else point["status"]))
@@ -225,7 +227,8 @@ class CostModelCalibration(Callback):
                 torch.cuda.empty_cache()
         return points
 
-    def _measure_point(self, trainer: Trainer, pl_module: LightningModule, datamodule, b: int, s: int) -> dict:
+    def _measure_point(self, trainer: Trainer, pl_module: LightningModule, datamodule, b: int, s: int,
+                       points: list[dict]) -> dict:
         strategy = trainer.strategy
         device = strategy.root_device
         out_of_memory = False
@@ -236,12 +239,15 @@ class CostModelCalibration(Callback):
                 torch.cuda.reset_peak_memory_stats(device)
             saved = _SavedTensorBytes()
             times = []
-            for step in range(self.warmup + self.repeats):
+            # one more warm-up step on the first point: lazy initialisation (allocator pools,
+            # kernel selection, autotuning) would otherwise land in its timings
+            warmup = self.warmup + (not any(p["status"] == "ok" for p in points))
+            for step in range(warmup + self.repeats):
                 counting = (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                             if device.type == "cpu" else contextlib.nullcontext())
                 with counting:
                     elapsed = self._timed_step(trainer, pl_module, batch, device)
-                if step >= self.warmup:
+                if step >= warmup:
                     times.append(elapsed)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.total
             del batch
@@ -382,6 +388,15 @@ class CostModelCalibration(Callback):
             metrics["calibration/m_mem"] = float(self.measured_m_mem)
         for logger in trainer.loggers:  # self.log is not allowed in on_fit_start
             logger.log_metrics(metrics, step=0)
+
+
+def _format_bucket_table(rows: list[dict]) -> str:
+    lines = ["bucket table after calibration",
+             f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7}"]
+    for row in rows:
+        lines.append(f"{row['seq_len']:>8} {str(tuple(row['latent_shape'])):>18} {row['samples']:>8} "
+                     f"{row['batch_size']:>5} {row['batch_size'] * row['seq_len']:>7}")
+    return "\n".join(lines)
 
 
 def _read_cache(path: Path, key: dict) -> dict | None:

@@ -99,6 +99,10 @@ def collate_samples(samples: list[dict]) -> dict:
     }
 
 
+def _as_is(batch):
+    return batch
+
+
 class ResumableLoader(DataLoader):
     """A DataLoader that Lightning checkpoints (it has state_dict / load_state_dict) and that moves
     its data to the trainer's epoch when iteration starts (Lightning calls set_epoch only on a
@@ -427,8 +431,10 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             world = torch.distributed.is_available() and torch.distributed.is_initialized()
             num_replicas = torch.distributed.get_world_size() if world else 1
             rank = torch.distributed.get_rank() if world else 0
-        # Workers restart each epoch so they see the dataset's new epoch (a fork copies it).
-        return ResumableLoader(self.build_stream_dataset(num_replicas, rank), batch_size=None, **common)
+        # Workers restart each epoch so they see the dataset's new epoch (a fork copies it). Batches
+        # come collated; the default conversion would turn latent_shape tuples into lists.
+        return ResumableLoader(self.build_stream_dataset(num_replicas, rank), batch_size=None,
+                               collate_fn=_as_is, **common)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

@@ -87,12 +87,17 @@ class StreamingLatentDataset(IterableDataset):
         skipped = Counter()
 
         def read_error(exn: Exception) -> bool:
-            skipped["read_error"] += 1
+            # webdataset reports one broken tar up to twice (member, then archive): count it once.
+            # A tar cut inside a member header reads as a clean end; its partial sample is then
+            # counted by decoding (missing_latent / missing_json).
+            if progress["errored_read"] != progress["shards"]:
+                skipped["read_error"] += 1
+                progress["errored_read"] = progress["shards"]
             return True  # skip the broken shard remainder, keep streaming
 
         # A resumed epoch runs its remaining steps from a fresh RNG stream (segment = steps done).
         segment = f"{self.epoch}/{self.steps_done}"
-        progress = Counter()
+        progress = Counter()  # shards: shard reads started, valid: samples decoded, errored_read: last bad read
 
         def urls():
             for url in shard_order(self.shards, rank=self.rank, world_size=self.world_size, worker=worker,
@@ -113,6 +118,8 @@ class StreamingLatentDataset(IterableDataset):
                                          num_workers=num_workers)
         batcher.set_epoch(self.epoch)
         for samples in batcher(self._decoded(raw, skipped, progress)):
+            for sample in samples:
+                sample["seq_len"] = sample.pop("tokens")  # batches report true tokens, not bucket keys
             batch = self.collate(samples)
             batch[SKIPPED_KEY] = dict(Counter(batch[SKIPPED_KEY]) + skipped)
             skipped.clear()

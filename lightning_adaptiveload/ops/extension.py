@@ -5,21 +5,15 @@ process. Set ADAPTIVELOAD_NO_JIT=1 to never JIT-build (the reference path runs i
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-CSRC_SOURCES = ("adaln_bindings.cpp", "adaln_launch.cu")
-# Shared with setup.py through csrc/ so both builds use the same flags.
-NVCC_FLAGS = (
-    "-O3",
-    "--use_fast_math",
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90,code=sm_90",
-)
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"  # present in a source checkout / editable install
+BUILD_FLAGS_FILE = CSRC_DIR / "build_flags.json"  # shared with setup.py
 
 _state: dict = {}
 
@@ -35,12 +29,16 @@ def cuda_include_dirs() -> list[str]:
 def _jit_build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    flags = json.loads(BUILD_FLAGS_FILE.read_text())
+    archs = os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", ";".join(flags["cuda_archs"])).split(";")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
     return load(
         name="adaptiveload_C_jit",
-        sources=[str(CSRC_DIR / s) for s in CSRC_SOURCES],
+        sources=[str(CSRC_DIR / s) for s in flags["sources"]],
         extra_include_paths=[str(CSRC_DIR)] + cuda_include_dirs(),
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=list(NVCC_FLAGS),
+        extra_cflags=flags["cxx"],
+        extra_cuda_cflags=flags["nvcc"] + gencode,
         verbose=False,
     )
 
@@ -62,7 +60,7 @@ def load_extension() -> tuple[ModuleType | None, str]:
 
             if os.environ.get("ADAPTIVELOAD_NO_JIT"):
                 result = (None, f"reference: prebuilt extension missing ({prebuilt_error}); ADAPTIVELOAD_NO_JIT is set")
-            elif CUDA_HOME is None or not (CSRC_DIR / CSRC_SOURCES[0]).is_file():
+            elif CUDA_HOME is None or not BUILD_FLAGS_FILE.is_file():
                 result = (None, f"reference: prebuilt extension missing ({prebuilt_error}) and no nvcc/csrc for a JIT build")
             else:
                 try:

@@ -1,0 +1,374 @@
+// AdaLN device code. y = (xhat * w + b) * (1 + scale) + shift, xhat = (x - mean) * rstd, fp32 math.
+//
+// Layout: x, y, dy, dx are (B, N, D) contiguous; row = b * N + n. shift/scale rows start at
+// b * sb + n * sn elements (sn = 0 for per-sample modulation), unit inner stride.
+//
+// Fast path (vectorized, D % VEC == 0, 16-byte aligned): one block per row (forward) or per
+// tile of rows of one sample (backward); thread t owns the 16-byte vectors t, t + blockDim, ...
+// of every row, so the row stays in registers and a warp touches contiguous memory.
+// Generic path (any D/alignment): same math with scalar strided loops that re-read the row.
+//
+// Backward reductions over the sequence (dshift, dscale per sample; dweight, dbias) use the
+// D-tile coalesced scheme: each thread accumulates its features down a tile of rows, writes
+// fp32 partials (B, tiles, 2, D), and adaln_bwd_finish_kernel sums them in a fixed order.
+// Two sums are enough for everything (per sample b):
+//   S1 = sum_n dy,  S2 = sum_n dy * xhat
+//   dshift = S1, dscale = w * S2 + bias * S1, dweight = sum_b g_b S2_b, dbias = sum_b g_b S1_b
+// with g_b = 1 + scale_b. Per-token modulation needs no reduction for dshift/dscale; there the
+// partials hold sum dy * g and sum dy * g * xhat for dweight/dbias (affine only).
+#pragma once
+
+#include "adaln_common.cuh"
+
+namespace adaptiveload {
+
+template <typename T, typename M>
+struct FwdArgs {
+  const T* x;
+  const M* shift;
+  const M* scale;
+  const float* weight;  // (D,) or nullptr
+  const float* bias;    // (D,) or nullptr
+  T* y;
+  float* mean;   // (B * N,)
+  float* rstd;   // (B * N,)
+  int64_t rows;  // B * N
+  int64_t seq;
+  int dim;
+  int64_t shift_sb, shift_sn, scale_sb, scale_sn;  // element strides
+  float eps;
+};
+
+template <typename T, typename M>
+struct BwdArgs {
+  const T* dy;
+  const T* x;
+  const M* scale;
+  const float* weight;
+  const float* bias;
+  const float* mean;
+  const float* rstd;
+  T* dx;
+  M* dshift_tok;  // (B, N, D) when per token, else nullptr
+  M* dscale_tok;
+  float* partial;  // (B, tiles, 2, D) when a sequence reduction is needed, else nullptr
+  int64_t seq;
+  int dim;
+  int64_t scale_sb, scale_sn;
+  int64_t rows_per_tile;
+  int tiles;
+  bool per_token;
+};
+
+// ---------------------------------------------------------------- forward
+
+// Grid-stride over rows: about one resident wave of blocks, each normalizing rows in turn.
+template <typename T, typename M, int VPT>
+__global__ void __launch_bounds__(kMaxThreads) adaln_fwd_vec_kernel(FwdArgs<T, M> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float smem[kWarpSize];
+  const int nvec = a.dim / VEC;
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t b = row / a.seq, n = row % a.seq;
+    const T* x_row = a.x + row * a.dim;
+
+    Vec<T, VEC> xv[VPT];
+    float sum[1] = {0.f};
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < nvec) {
+        xv[i] = load_vec<T, VEC>(x_row + c * VEC);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sum[0] += static_cast<float>(xv[i].v[k]);
+      }
+    }
+    block_sum<1>(sum, smem);
+    const float mu = sum[0] / a.dim;
+    float sq[1] = {0.f};  // two-pass variance from registers: no cancellation
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (threadIdx.x + i * blockDim.x < nvec) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = static_cast<float>(xv[i].v[k]) - mu;
+          sq[0] += d * d;
+        }
+      }
+    }
+    block_sum<1>(sq, smem);
+    const float rs = rsqrtf(sq[0] / a.dim + a.eps);
+
+    const M* shift_row = a.shift + b * a.shift_sb + n * a.shift_sn;
+    const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+    T* y_row = a.y + row * a.dim;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c >= nvec) continue;
+      const Vec<M, VEC> sh = load_vec<M, VEC>(shift_row + c * VEC);
+      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
+      Vec<float, VEC> w, bi;
+      if (a.weight) w = load_vec<float, VEC>(a.weight + c * VEC);
+      if (a.bias) bi = load_vec<float, VEC>(a.bias + c * VEC);
+      Vec<T, VEC> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        float z = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+        if (a.weight) z *= w.v[k];
+        if (a.bias) z += bi.v[k];
+        out.v[k] = static_cast<T>(z * (1.f + static_cast<float>(sc.v[k])) + static_cast<float>(sh.v[k]));
+      }
+      store_vec<T, VEC>(y_row + c * VEC, out);
+    }
+    if (threadIdx.x == 0) {
+      a.mean[row] = mu;
+      a.rstd[row] = rs;
+    }
+  }
+}
+
+template <typename T, typename M>
+__global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<T, M> a) {
+  __shared__ float smem[kWarpSize];
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t b = row / a.seq, n = row % a.seq;
+    const T* x_row = a.x + row * a.dim;
+    float sum[1] = {0.f};
+    for (int d = threadIdx.x; d < a.dim; d += blockDim.x) sum[0] += static_cast<float>(x_row[d]);
+    block_sum<1>(sum, smem);
+    const float mu = sum[0] / a.dim;
+    float sq[1] = {0.f};
+    for (int d = threadIdx.x; d < a.dim; d += blockDim.x) {
+      const float c = static_cast<float>(x_row[d]) - mu;
+      sq[0] += c * c;
+    }
+    block_sum<1>(sq, smem);
+    const float rs = rsqrtf(sq[0] / a.dim + a.eps);
+    const M* shift_row = a.shift + b * a.shift_sb + n * a.shift_sn;
+    const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+    T* y_row = a.y + row * a.dim;
+    for (int d = threadIdx.x; d < a.dim; d += blockDim.x) {
+      float z = (static_cast<float>(x_row[d]) - mu) * rs;
+      if (a.weight) z *= a.weight[d];
+      if (a.bias) z += a.bias[d];
+      y_row[d] = static_cast<T>(z * (1.f + static_cast<float>(scale_row[d])) + static_cast<float>(shift_row[d]));
+    }
+    if (threadIdx.x == 0) {
+      a.mean[row] = mu;
+      a.rstd[row] = rs;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward
+
+// dx for every row of tile blockIdx.x of sample blockIdx.y, fused with the D-tile partial sums.
+// kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
+// registers that per-token outputs and weight/bias need.
+template <typename T, typename M, int VPT, bool kGeneral>
+__global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float smem[2 * kWarpSize];
+  const float* weight = kGeneral ? a.weight : nullptr;
+  const float* bias = kGeneral ? a.bias : nullptr;
+  const bool per_token = kGeneral && a.per_token;
+  const int64_t b = blockIdx.y;
+  const int64_t n0 = blockIdx.x * a.rows_per_tile;
+  const int64_t n1 = min(a.seq, n0 + a.rows_per_tile);
+  const int nvec = a.dim / VEC;
+  const bool per_sample_sums = a.partial != nullptr && !per_token;
+  const bool param_sums = a.partial != nullptr && per_token;
+  const float inv_dim = 1.f / a.dim;
+
+  float acc1[VPT][VEC], acc2[VPT][VEC];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc1[i][k] = acc2[i][k] = 0.f;
+
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = b * a.seq + n;
+    const float mu = a.mean[row], rs = a.rstd[row];
+    const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+    Vec<T, VEC> xv[VPT];
+    float dxhat[VPT][VEC];
+    float sums[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c >= nvec) continue;
+      xv[i] = load_vec<T, VEC>(a.x + row * a.dim + c * VEC);
+      const Vec<T, VEC> dyv = load_vec<T, VEC>(a.dy + row * a.dim + c * VEC);
+      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
+      Vec<float, VEC> w, bi;
+      if (weight) w = load_vec<float, VEC>(weight + c * VEC);
+      if (bias) bi = load_vec<float, VEC>(bias + c * VEC);
+      Vec<M, VEC> dshift_out, dscale_out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+        const float dyf = static_cast<float>(dyv.v[k]);
+        const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
+        dxhat[i][k] = weight ? dz * w.v[k] : dz;
+        sums[0] += dxhat[i][k];
+        sums[1] += dxhat[i][k] * xh;
+        if (per_sample_sums) {
+          acc1[i][k] += dyf;
+          acc2[i][k] += dyf * xh;
+        } else if (param_sums) {
+          acc1[i][k] += dz;
+          acc2[i][k] += dz * xh;
+        }
+        if (per_token) {
+          float z = weight ? xh * w.v[k] : xh;
+          if (bias) z += bi.v[k];
+          dshift_out.v[k] = static_cast<M>(dyf);
+          dscale_out.v[k] = static_cast<M>(dyf * z);
+        }
+      }
+      if (per_token) {
+        store_vec<M, VEC>(a.dshift_tok + row * a.dim + c * VEC, dshift_out);
+        store_vec<M, VEC>(a.dscale_tok + row * a.dim + c * VEC, dscale_out);
+      }
+    }
+    block_sum<2>(sums, smem);
+    const float mean_dxhat = sums[0] * inv_dim, mean_dxhat_xhat = sums[1] * inv_dim;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c >= nvec) continue;
+      Vec<T, VEC> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+        out.v[k] = static_cast<T>(rs * (dxhat[i][k] - mean_dxhat - xh * mean_dxhat_xhat));
+      }
+      store_vec<T, VEC>(a.dx + row * a.dim + c * VEC, out);
+    }
+  }
+  if (a.partial == nullptr) return;
+  float* part = a.partial + (b * a.tiles + blockIdx.x) * 2 * static_cast<int64_t>(a.dim);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c >= nvec) continue;
+#pragma unroll
+    for (int k0 = 0; k0 < VEC; k0 += 4) {
+      store_vec<float, 4>(part + c * VEC + k0, {acc1[i][k0], acc1[i][k0 + 1], acc1[i][k0 + 2], acc1[i][k0 + 3]});
+      store_vec<float, 4>(part + a.dim + c * VEC + k0,
+                          {acc2[i][k0], acc2[i][k0 + 1], acc2[i][k0 + 2], acc2[i][k0 + 3]});
+    }
+  }
+}
+
+// Generic path, step 1: dx (and per-token dshift/dscale) for row blockIdx.x.
+template <typename T, typename M>
+__global__ void __launch_bounds__(kMaxThreads) adaln_bwd_dx_generic_kernel(BwdArgs<T, M> a) {
+  __shared__ float smem[2 * kWarpSize];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / a.seq, n = row % a.seq;
+  const float mu = a.mean[row], rs = a.rstd[row];
+  const T* x_row = a.x + row * a.dim;
+  const T* dy_row = a.dy + row * a.dim;
+  const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+  float sums[2] = {0.f, 0.f};
+  for (int d = threadIdx.x; d < a.dim; d += blockDim.x) {
+    const float xh = (static_cast<float>(x_row[d]) - mu) * rs;
+    const float dyf = static_cast<float>(dy_row[d]);
+    const float dz = dyf * (1.f + static_cast<float>(scale_row[d]));
+    const float dxh = a.weight ? dz * a.weight[d] : dz;
+    sums[0] += dxh;
+    sums[1] += dxh * xh;
+    if (a.per_token) {
+      float z = a.weight ? xh * a.weight[d] : xh;
+      if (a.bias) z += a.bias[d];
+      a.dshift_tok[row * a.dim + d] = static_cast<M>(dyf);
+      a.dscale_tok[row * a.dim + d] = static_cast<M>(dyf * z);
+    }
+  }
+  block_sum<2>(sums, smem);
+  const float mean_dxhat = sums[0] / a.dim, mean_dxhat_xhat = sums[1] / a.dim;
+  for (int d = threadIdx.x; d < a.dim; d += blockDim.x) {
+    const float xh = (static_cast<float>(x_row[d]) - mu) * rs;
+    const float dz = static_cast<float>(dy_row[d]) * (1.f + static_cast<float>(scale_row[d]));
+    const float dxh = a.weight ? dz * a.weight[d] : dz;
+    a.dx[row * a.dim + d] = static_cast<T>(rs * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
+  }
+}
+
+// Generic path, step 2: the D-tile coalesced partial sums. Grid (d_tiles, tiles, B); thread
+// owns feature d and walks down rows n0..n1 of sample b, so a warp reads contiguous memory.
+template <typename T, typename M>
+__global__ void __launch_bounds__(kMaxThreads) adaln_bwd_partial_generic_kernel(BwdArgs<T, M> a) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= a.dim) return;
+  const int64_t b = blockIdx.z;
+  const int64_t n0 = blockIdx.y * a.rows_per_tile;
+  const int64_t n1 = min(a.seq, n0 + a.rows_per_tile);
+  float acc1 = 0.f, acc2 = 0.f;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = b * a.seq + n;
+    const float xh = (static_cast<float>(a.x[row * a.dim + d]) - a.mean[row]) * a.rstd[row];
+    float g = static_cast<float>(a.dy[row * a.dim + d]);
+    if (a.per_token) g *= 1.f + static_cast<float>(a.scale[b * a.scale_sb + n * a.scale_sn + d]);
+    acc1 += g;
+    acc2 += g * xh;
+  }
+  float* part = a.partial + (b * a.tiles + blockIdx.y) * 2 * static_cast<int64_t>(a.dim);
+  part[d] = acc1;
+  part[a.dim + d] = acc2;
+}
+
+constexpr int kFinishRows = 16;  // blockDim.y of the finishing kernel
+
+// Second, deterministic stage: sums partials (B, tiles, 2, D) over tiles in a fixed order.
+// Block (32, kFinishRows): a warp reads 32 consecutive features of one tile.
+template <typename M>
+__global__ void adaln_bwd_finish_kernel(const float* __restrict__ partial, const M* __restrict__ scale,
+                                        const float* weight, const float* bias, M* dshift, M* dscale, float* dweight,
+                                        float* dbias, int batch, int tiles, int dim, int64_t scale_sb, bool per_token) {
+  __shared__ float red[2][kFinishRows][kWarpSize + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int d = blockIdx.x * kWarpSize + tx;
+  float wsum = 0.f, bsum = 0.f;
+  for (int b = 0; b < batch; ++b) {
+    float s1 = 0.f, s2 = 0.f;
+    if (d < dim) {
+      for (int t = ty; t < tiles; t += kFinishRows) {
+        const float* p = partial + (static_cast<int64_t>(b) * tiles + t) * 2 * dim + d;
+        s1 += p[0];
+        s2 += p[dim];
+      }
+    }
+    red[0][ty][tx] = s1;
+    red[1][ty][tx] = s2;
+    __syncthreads();
+    if (ty == 0 && d < dim) {
+      s1 = s2 = 0.f;
+#pragma unroll
+      for (int r = 0; r < kFinishRows; ++r) {
+        s1 += red[0][r][tx];
+        s2 += red[1][r][tx];
+      }
+      if (per_token) {  // partials already carry g = 1 + scale
+        wsum += s2;
+        bsum += s1;
+      } else {
+        const float w = weight ? weight[d] : 1.f, bi = bias ? bias[d] : 0.f;
+        dshift[static_cast<int64_t>(b) * dim + d] = static_cast<M>(s1);
+        dscale[static_cast<int64_t>(b) * dim + d] = static_cast<M>(w * s2 + bi * s1);
+        const float g = 1.f + static_cast<float>(scale[b * scale_sb + d]);
+        wsum += g * s2;
+        bsum += g * s1;
+      }
+    }
+    __syncthreads();
+  }
+  if (ty == 0 && d < dim) {
+    if (dweight) dweight[d] = wsum;
+    if (dbias) dbias[d] = bsum;
+  }
+}
+
+}  // namespace adaptiveload

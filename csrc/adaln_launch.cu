@@ -1,0 +1,258 @@
+// Host side of the AdaLN kernels: launch configuration, dtype dispatch, checked launches.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "adaln.h"
+#include "adaln_kernels.cuh"
+
+namespace adaptiveload {
+namespace {
+
+constexpr int kMaxVpt = 4;  // 16-byte vectors per thread per row on the fast path
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The one place that maps runtime dtypes to kernel template types: x in fp32/bf16/fp16,
+// modulation in x's dtype or fp32 (the Python layer upcasts anything else).
+template <typename F>
+void dispatch_dtypes(at::ScalarType x_type, at::ScalarType mod_type, F&& f) {
+  const bool mod_fp32 = mod_type == at::kFloat;
+  TORCH_CHECK(mod_fp32 || mod_type == x_type, "adaln: shift/scale dtype ", mod_type, " must be fp32 or x's dtype ",
+              x_type);
+  switch (x_type) {
+    case at::kFloat:
+      return f(float{}, float{});
+    case at::kBFloat16:
+      return mod_fp32 ? f(at::BFloat16{}, float{}) : f(at::BFloat16{}, at::BFloat16{});
+    case at::kHalf:
+      return mod_fp32 ? f(at::Half{}, float{}) : f(at::Half{}, at::Half{});
+    default:
+      TORCH_CHECK(false, "adaln: x dtype ", x_type, " is not supported (fp32, bf16, fp16)");
+  }
+}
+
+template <typename F>
+void dispatch_vpt(int vpt, F&& f) {
+  switch (vpt) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      TORCH_CHECK(false, "adaln: internal error, vectors per thread ", vpt);
+  }
+}
+
+bool ptr_aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// Can every row of `t` (strides in elements) be read as aligned Vec<elem, vec>?
+bool rows_vectorizable(const at::Tensor& t, int vec) {
+  const int64_t bytes = vec * t.element_size();
+  if (!ptr_aligned(t.data_ptr(), bytes)) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (t.size(i) > 1 && t.stride(i) % vec != 0) return false;
+  return true;
+}
+
+struct LaunchConfig {
+  bool vectorized;
+  int vpt;      // vectors per thread (fast path)
+  int threads;  // per block, a multiple of 32
+};
+
+// Fast path when every row can be loaded as 16-byte vectors and fits in kMaxVpt vectors per
+// thread; otherwise the generic scalar kernels.
+template <typename T>
+LaunchConfig choose_config(int64_t dim, bool vectorizable) {
+  constexpr int VEC = 16 / sizeof(T);
+  if (vectorizable && dim % VEC == 0) {
+    const int64_t nvec = dim / VEC;
+    for (int vpt = 1; vpt <= kMaxVpt; vpt *= 2)
+      if (nvec <= vpt * kMaxThreads) return {true, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};
+  }
+  return {false, 0, static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(dim, 32) * 32))};
+}
+
+template <typename T, typename M>
+bool all_vectorizable(std::initializer_list<const at::Tensor*> row_tensors,
+                      std::initializer_list<const at::Tensor*> params) {
+  constexpr int VEC = 16 / sizeof(T);
+  for (const at::Tensor* t : row_tensors)
+    if (t->defined() && !rows_vectorizable(*t, VEC)) return false;
+  for (const at::Tensor* t : params)  // fp32 (D,) vectors of VEC floats
+    if (t->defined() && !ptr_aligned(t->data_ptr(), VEC * sizeof(float))) return false;
+  return true;
+}
+
+// Blocks of `kernel` that fit on the whole GPU at once (one wave).
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int threads) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+}
+
+const float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// (mod stride over b, over n) in elements; the n stride is 0 for per-sample modulation.
+std::pair<int64_t, int64_t> mod_strides(const at::Tensor& t) { return {t.stride(0), t.size(1) == 1 ? 0 : t.stride(1)}; }
+
+}  // namespace
+
+std::vector<at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
+                                       const std::optional<at::Tensor>& weight_opt,
+                                       const std::optional<at::Tensor>& bias_opt, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
+  const at::Tensor weight = weight_opt.value_or(at::Tensor());
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({batch, seq}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({batch, seq}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {y, mean, rstd};
+  TORCH_CHECK(rows <= INT32_MAX, "adaln: B * N = ", rows, " rows exceeds the grid limit");
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  dispatch_dtypes(x.scalar_type(), shift.scalar_type(), [&](auto t_tag, auto m_tag) {
+    using T = decltype(t_tag);
+    using M = decltype(m_tag);
+    FwdArgs<T, M> a{x.data_ptr<T>(),
+                    shift.data_ptr<M>(),
+                    scale.data_ptr<M>(),
+                    opt_ptr(weight),
+                    opt_ptr(bias),
+                    y.data_ptr<T>(),
+                    mean.data_ptr<float>(),
+                    rstd.data_ptr<float>(),
+                    seq,
+                    static_cast<int>(dim),
+                    0,
+                    0,
+                    0,
+                    0,
+                    static_cast<float>(eps)};
+    std::tie(a.shift_sb, a.shift_sn) = mod_strides(shift);
+    std::tie(a.scale_sb, a.scale_sn) = mod_strides(scale);
+    const LaunchConfig cfg = choose_config<T>(dim, all_vectorizable<T, M>({&x, &y, &shift, &scale}, {&weight, &bias}));
+    if (cfg.vectorized) {
+      dispatch_vpt(cfg.vpt, [&](auto vpt) {
+        const auto kernel = adaln_fwd_vec_kernel<T, M, decltype(vpt)::value>;
+        kernel<<<std::min(rows, resident_blocks(kernel, cfg.threads)), cfg.threads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      const auto kernel = adaln_fwd_generic_kernel<T, M>;
+      kernel<<<std::min(rows, resident_blocks(kernel, cfg.threads)), cfg.threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {y, mean, rstd};
+}
+
+std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
+                                       const std::optional<at::Tensor>& weight_opt,
+                                       const std::optional<at::Tensor>& bias_opt, const at::Tensor& mean,
+                                       const at::Tensor& rstd) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
+  const at::Tensor weight = weight_opt.value_or(at::Tensor());
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  const bool per_token = scale.size(1) > 1;
+  const bool affine = weight.defined() || bias.defined();
+  const auto f32 = x.options().dtype(at::kFloat);
+
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dshift =
+      at::empty({batch, per_token ? seq : 1, dim}, scale.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dscale = at::empty_like(dshift);
+  at::Tensor dweight = at::empty({weight.defined() ? dim : 0}, f32);
+  at::Tensor dbias = at::empty({bias.defined() ? dim : 0}, f32);
+  if (rows == 0) {  // sums over an empty sequence
+    dshift.zero_();
+    dscale.zero_();
+    dweight.zero_();
+    dbias.zero_();
+    return {dx, dshift, dscale, dweight, dbias};
+  }
+  TORCH_CHECK(rows <= INT32_MAX, "adaln: B * N = ", rows, " rows exceeds the grid limit");
+  TORCH_CHECK(batch <= 65535, "adaln: batch ", batch, " exceeds the grid limit 65535");
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool need_partial = !per_token || affine;
+
+  dispatch_dtypes(x.scalar_type(), scale.scalar_type(), [&](auto t_tag, auto m_tag) {
+    using T = decltype(t_tag);
+    using M = decltype(m_tag);
+    const LaunchConfig cfg =
+        choose_config<T>(dim, all_vectorizable<T, M>({&x, &dy, &dx, &scale, &dshift, &dscale}, {&weight, &bias}));
+    BwdArgs<T, M> a{dy.data_ptr<T>(),
+                    x.data_ptr<T>(),
+                    scale.data_ptr<M>(),
+                    opt_ptr(weight),
+                    opt_ptr(bias),
+                    mean.data_ptr<float>(),
+                    rstd.data_ptr<float>(),
+                    dx.data_ptr<T>(),
+                    per_token ? dshift.data_ptr<M>() : nullptr,
+                    per_token ? dscale.data_ptr<M>() : nullptr,
+                    nullptr,
+                    seq,
+                    static_cast<int>(dim),
+                    0,
+                    0,
+                    0,
+                    0,
+                    per_token};
+    std::tie(a.scale_sb, a.scale_sn) = mod_strides(scale);
+    // Split each sample's rows into tiles so that all blocks together form about one resident
+    // wave: enough to hide latency, and the fp32 partials (B, tiles, 2, D) stay small next to
+    // the rows themselves.
+    at::Tensor partial;
+    const auto make_tiles = [&](int64_t blocks) {
+      a.rows_per_tile = ceil_div(seq, std::clamp<int64_t>(blocks / batch, 1, seq));
+      a.tiles = static_cast<int>(ceil_div(seq, a.rows_per_tile));  // no empty tiles
+      if (need_partial) {
+        partial = at::empty({batch, a.tiles, 2, dim}, f32);
+        a.partial = partial.data_ptr<float>();
+      }
+    };
+
+    if (cfg.vectorized) {
+      dispatch_vpt(cfg.vpt, [&](auto vpt) {
+        constexpr int VPT = decltype(vpt)::value;
+        const auto kernel =
+            (per_token || affine) ? adaln_bwd_fused_kernel<T, M, VPT, true> : adaln_bwd_fused_kernel<T, M, VPT, false>;
+        make_tiles(resident_blocks(kernel, cfg.threads));
+        kernel<<<dim3(a.tiles, batch), cfg.threads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      adaln_bwd_dx_generic_kernel<T, M><<<rows, cfg.threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t d_tiles = ceil_div(dim, 256);
+      make_tiles(std::max<int64_t>(1, 4 * sms / d_tiles));
+      if (need_partial) {
+        adaln_bwd_partial_generic_kernel<T, M><<<dim3(d_tiles, a.tiles, batch), 256, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    if (need_partial) {
+      adaln_bwd_finish_kernel<M><<<ceil_div(dim, kWarpSize), dim3(kWarpSize, kFinishRows), 0, stream>>>(
+          partial.data_ptr<float>(), scale.data_ptr<M>(), opt_ptr(weight), opt_ptr(bias),
+          per_token ? nullptr : dshift.data_ptr<M>(), per_token ? nullptr : dscale.data_ptr<M>(),
+          weight.defined() ? dweight.data_ptr<float>() : nullptr, bias.defined() ? dbias.data_ptr<float>() : nullptr,
+          static_cast<int>(batch), a.tiles, static_cast<int>(dim), a.scale_sb, per_token);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {dx, dshift, dscale, dweight, dbias};
+}
+
+}  // namespace adaptiveload

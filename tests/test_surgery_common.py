@@ -43,7 +43,7 @@ def run(model: nn.Module, inputs: tuple, cotangent_seed: int = 123) -> tuple[lis
     model.zero_grad(set_to_none=True)
     outs = _flat_outputs(model(*inputs))
     gen = torch.Generator().manual_seed(cotangent_seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum() for o in outs)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return [o.detach() for o in outs], grads
@@ -93,7 +93,8 @@ def check_bf16_noise(model: nn.Module, inputs: tuple, expected_replaced: int, *,
     patched, report = patched_copy(model_bf16)
     assert report.num_replaced == expected_replaced, str(report)
     outs_ref, grads_ref = run(reference, inputs_ref)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed):
         outs, grads = run(model_bf16, inputs_bf16)
         outs_p, grads_p = run(patched, inputs_bf16)
     for o_ref, o, o_p in zip(outs_ref, outs, outs_p, strict=True):

@@ -1,0 +1,223 @@
+"""Fused-AdaLN surgery on Wan 2.1 1.3B: step time, memory, and the longest sequence in a budget.
+
+Model: diffusers WanTransformer3DModel at the Wan 2.1 T2V-1.3B configuration (D=1536, 30 layers,
+12 heads, FFN 8960, 16 latent channels, text_dim 4096, patch (1, 2, 2)), random weights, all
+parameters bf16, train mode, one GPU. One step = forward + backward of loss = mean(out.float()^2)
+for one sample: latents (1, 16, T, H, W) bf16, 512 text tokens, a random timestep. The reference
+shape is 480x832 with 81 frames -> latent 21x60x104 -> S = 21*30*52 = 32,760 tokens.
+
+Per variant (eager, then the same model after apply_fused_adaln):
+- step time at the reference shape: CUDA events, `--warmup` steps then `--steps` timed steps;
+- peak memory (torch.cuda.max_memory_allocated over a step) and its part above the weights;
+- saved activations: memory allocated after the forward minus before it (what backward keeps);
+- longest S that fits the budget: binary search over the latent width (steps of 2 = 30*T tokens)
+  for the largest shape whose peak stays within the budget (an out-of-memory error counts as not
+  fitting). The budget defaults to the eager peak at the reference shape ("equal peak memory",
+  as in the paper's 48,000 -> 52,800 tokens); --budget-gib sets another.
+Gradient checkpointing stays off unless the eager reference step runs out of memory (then it is
+turned on for both variants and the JSON says so).
+
+    python benchmarks/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_adaptiveload import ops  # noqa: E402
+from lightning_adaptiveload.surgery import apply_fused_adaln  # noqa: E402
+
+WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30)
+GIB = 2**30
+TARGETS = {"step_time": -0.05, "saved_activations": -0.10, "longest_tokens": +0.10}
+
+
+def tokens(frames: int, height: int, width: int) -> int:
+    return frames * (height // 2) * (width // 2)
+
+
+def make_inputs(frames: int, height: int, width: int, text_tokens: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    latents = torch.randn(1, 16, frames, height, width, generator=gen, device="cuda", dtype=torch.bfloat16)
+    timestep = torch.randint(0, 1000, (1,), generator=gen, device="cuda")
+    text = torch.randn(1, text_tokens, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return latents, timestep, text
+
+
+def step(model: torch.nn.Module, inputs) -> dict:
+    """One forward+backward: time (ms), peak bytes, bytes before the forward, bytes saved by the forward."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    loss = model(*inputs).sample.float().square().mean()
+    saved = torch.cuda.memory_allocated() - before
+    loss.backward()
+    end.record()
+    torch.cuda.synchronize()
+    return {"ms": start.elapsed_time(end), "peak": torch.cuda.max_memory_allocated(), "before": before, "saved": saved}
+
+
+def peak_or_none(model: torch.nn.Module, inputs) -> int | None:
+    """Peak bytes of one step, or None when it runs out of memory."""
+    try:
+        return step(model, inputs)["peak"]
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+
+
+def longest_width(model, args, budget: int, probes: list) -> int:
+    """Largest even latent width whose step peak is <= budget (binary search, steps of 2)."""
+
+    def fits(width: int) -> bool:
+        peak = peak_or_none(model, make_inputs(args.frames, args.height, width, args.text_tokens))
+        probes.append({"width": width, "tokens": tokens(args.frames, args.height, width), "peak": peak})
+        return peak is not None and peak <= budget
+
+    lo, hi = args.width, args.max_width
+    if not fits(lo):
+        lo, hi = 2, lo
+    elif fits(hi):
+        return hi  # the search range is exhausted; the JSON flags it
+    while hi - lo > 2:
+        mid = (lo + hi) // 4 * 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def measure(model, args, budget: int | None, label: str) -> dict:
+    inputs = make_inputs(args.frames, args.height, args.width, args.text_tokens)
+    runs = [step(model, inputs) for _ in tqdm(range(args.warmup + args.steps), desc=f"{label}: steps", leave=False)]
+    timed = runs[args.warmup:]
+    ms = torch.tensor([r["ms"] for r in timed], dtype=torch.float64)
+    result = {
+        "step_ms_mean": float(ms.mean()),
+        "step_ms_std": float(ms.std()) if len(ms) > 1 else 0.0,
+        "step_ms": [r["ms"] for r in timed],
+        "peak_bytes": max(r["peak"] for r in timed),
+        "peak_above_weights_bytes": max(r["peak"] - r["before"] for r in timed),
+        "saved_activations_bytes": max(r["saved"] for r in timed),
+    }
+    budget = result["peak_bytes"] if budget is None else budget
+    probes: list = []
+    width = longest_width(model, args, budget, probes)
+    result.update(longest_width=width, longest_tokens=tokens(args.frames, args.height, width),
+                  search_exhausted=width >= args.max_width, probes=probes)
+    return result
+
+
+def plot(results: dict, budget: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, res in results.items():
+        pts = sorted((p["tokens"], p["peak"] / GIB) for p in res["probes"] if p["peak"] is not None)
+        ax.plot([t for t, _ in pts], [g for _, g in pts], "o-", label=f"{label} (longest {res['longest_tokens']:,})")
+    ax.axhline(budget / GIB, color="gray", ls="--", label=f"budget {budget / GIB:.1f} GiB")
+    ax.set_xlabel("tokens per sample (S)")
+    ax.set_ylabel("peak memory of fwd+bwd (GiB)")
+    ax.set_title("Wan 2.1 1.3B, bf16, 1 GPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, default=21, help="latent frames (81 video frames)")
+    parser.add_argument("--height", type=int, default=60, help="latent height (480 px)")
+    parser.add_argument("--width", type=int, default=104, help="latent width (832 px); the reference shape")
+    parser.add_argument("--max-width", type=int, default=160, help="upper end of the width search")
+    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--budget-gib", type=float, default=None, help="default: eager peak at the reference shape")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/surgery.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/surgery.py needs a CUDA GPU")
+    import diffusers
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = WanTransformer3DModel(**WAN_1P3B).to(torch.bfloat16).train()
+    budget = None if args.budget_gib is None else int(args.budget_gib * GIB)
+    checkpointing = False
+    try:
+        eager = measure(model, args, budget, "eager")
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        model.enable_gradient_checkpointing()
+        checkpointing = True
+        eager = measure(model, args, budget, "eager")
+    budget = eager["peak_bytes"] if budget is None else budget
+    report = apply_fused_adaln(model)
+    print(report)
+    fused = measure(model, args, budget, "fused")
+    results = {"eager": eager, "fused": fused}
+
+    def change(key: str) -> float:
+        return fused[key] / eager[key] - 1.0
+
+    deltas = {"step_time": change("step_ms_mean"), "peak": change("peak_bytes"),
+              "peak_above_weights": change("peak_above_weights_bytes"),
+              "saved_activations": change("saved_activations_bytes"), "longest_tokens": change("longest_tokens")}
+    met = {k: (deltas[k] <= t if t < 0 else deltas[k] >= t) for k, t in TARGETS.items()}
+    ref_tokens = tokens(args.frames, args.height, args.width)
+    print(f"\nWan 2.1 1.3B, bf16, fwd+bwd, 1 sample of S = {ref_tokens:,} tokens; budget {budget / GIB:.2f} GiB"
+          f"{' (gradient checkpointing ON)' if checkpointing else ''}")
+    header = f"{'variant':<8} {'step ms':>16} {'peak GiB':>9} {'above weights':>14} {'saved act. GiB':>15} {'longest S':>10}"
+    print(header)
+    for label, r in results.items():
+        print(f"{label:<8} {r['step_ms_mean']:>9.1f} ± {r['step_ms_std']:>4.1f} {r['peak_bytes'] / GIB:>9.2f} "
+              f"{r['peak_above_weights_bytes'] / GIB:>14.2f} {r['saved_activations_bytes'] / GIB:>15.2f} "
+              f"{r['longest_tokens']:>10,}")
+    print(f"{'change':<8} {deltas['step_time']:>+16.1%} {deltas['peak']:>+9.1%} {deltas['peak_above_weights']:>+14.1%} "
+          f"{deltas['saved_activations']:>+15.1%} {deltas['longest_tokens']:>+10.1%}")
+    print("targets: " + ", ".join(f"{k} {TARGETS[k]:+.0%}: {'met' if ok else 'NOT met'}" for k, ok in met.items()))
+
+    out = {
+        "benchmark": "fused AdaLN surgery, diffusers WanTransformer3DModel (Wan 2.1 1.3B config, random weights)",
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
+                     "python": platform.python_version()},
+        "op_backend": ops.backend(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "config": {**WAN_1P3B, "latent": [args.frames, args.height, args.width], "tokens": ref_tokens,
+                   "text_tokens": args.text_tokens, "dtype": "bf16 parameters and activations", "batch_size": 1,
+                   "warmup": args.warmup, "steps": args.steps, "gradient_checkpointing": checkpointing},
+        "budget_bytes": budget,
+        "budget_source": "eager peak at the reference shape" if args.budget_gib is None else "--budget-gib",
+        "surgery": report.to_dict(),
+        "results": results,
+        "deltas": deltas,
+        "targets": TARGETS,
+        "targets_met": met,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    plot(results, budget, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

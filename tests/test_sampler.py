@@ -257,3 +257,29 @@ def test_dataloader_batch_sampler():
     expected = list(sampler)
     got = [b.tolist() for b in loader]
     assert got == [[10 * i for i in batch] for batch in expected]
+
+
+def test_reads_world_from_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    seq_lens = random_seq_lens(500, seed=6)
+    assert BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM).num_replicas == 1
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM)
+        assert (s.num_replicas, s.rank) == (1, 0)
+        assert list(s) == list(BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM, num_replicas=1, rank=0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reads_rank_from_torch_distributed(monkeypatch):
+    import lightning_adaptiveload.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sampler_module.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(sampler_module.dist, "get_rank", lambda: 2)
+    seq_lens = random_seq_lens(800, seed=8)
+    s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM)
+    assert (s.num_replicas, s.rank) == (4, 2)
+    assert list(s) == list(BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM, num_replicas=4, rank=2))

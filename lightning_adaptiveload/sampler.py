@@ -246,7 +246,8 @@ class BucketBatchSampler(Sampler):
     torch.distributed's, else 1/0.
 
     With Lightning use `DataLoader(dataset, batch_sampler=sampler)` and
-    `Trainer(use_distributed_sampler=False)`; Lightning calls `set_epoch` each epoch.
+    `Trainer(use_distributed_sampler=False)`; Lightning calls `set_epoch` each epoch (through the
+    `sampler` property).
     """
 
     def __init__(self, seq_lens, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
@@ -306,9 +307,17 @@ class BucketBatchSampler(Sampler):
         """Counts of the current plan (see plan_epoch), plus steps consumed so far."""
         return {**self.plan().stats, "steps_consumed": self._segments[-1][1]}
 
+    @property
+    def sampler(self) -> "BucketBatchSampler":
+        # Lightning calls set_epoch on `loader.batch_sampler.sampler`, not on the batch sampler itself.
+        return self
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        self._segments = [[self.num_replicas, 0]]
+        """Plan epoch `epoch`. The current epoch is kept as is (with its progress), so a call at the
+        start of a resumed epoch does not restart it."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._segments = [[self.num_replicas, 0]]
 
     def _start(self) -> int:
         """First step to run; a finished epoch iterates again from its start, like DistributedSampler."""

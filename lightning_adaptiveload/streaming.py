@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from lightning_adaptiveload.policies import POLICIES, dual_constraint_batch_size, token_equal_batch_size
+from lightning_adaptiveload.policies import POLICIES, batch_sizes, dual_constraint_batch_size, token_equal_batch_size
 from lightning_adaptiveload.sampler import batch_costs, resolve_compute_budget
 from lightning_adaptiveload.shapes import ShapeMix
 
@@ -79,14 +79,12 @@ def make_stream_plan(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | 
     m_comp, p = resolve_compute_budget(policy, m_mem, int(tokens.max()), m_comp, p, cost_model)
     if p is None:  # token_equal: classes still need a cost; use the cost model's exponent or attention-free 1
         p = float(cost_model.p) if cost_model is not None else 1.0
-    plan = StreamPlan(policy, int(m_mem), m_comp, p, max_seq_len, cost_model, 1.0, math.log1p(class_tolerance),
-                      np.ones(1))
-    b = np.array([plan.batch_size(int(s)) for s in tokens], dtype=np.int64)
+    b = batch_sizes(tokens, policy, m_mem, m_comp, p)
     costs = batch_costs(b, tokens, p, cost_model)
-    cost_min = float(costs.min())
-    classes = np.floor(np.log(costs / cost_min) / plan.log_width).astype(np.int64)
+    cost_min, log_width = float(costs.min()), math.log1p(class_tolerance)
+    classes = np.floor(np.log(costs / cost_min) / log_width).astype(np.int64)
     expected_batches = np.bincount(classes, weights=counts / b)
-    return StreamPlan(policy, int(m_mem), m_comp, p, max_seq_len, cost_model, cost_min, plan.log_width,
+    return StreamPlan(policy, int(m_mem), m_comp, p, max_seq_len, cost_model, cost_min, log_width,
                       expected_batches / expected_batches.sum())
 
 

@@ -199,6 +199,7 @@ def test_resume_same_world_size_is_exact(policy):
     resumed = make_ranks(seq_lens, 4, **kw)
     for s in resumed:
         s.load_state_dict(state)
+        s.set_epoch(0)  # what Lightning does at the start of the resumed epoch: must not restart it
     assert [len(s) for s in resumed] == [len(full[0]) - 17] * 4
     assert [list(s) for s in resumed] == [f[17:] for f in full]
 
@@ -283,3 +284,34 @@ def test_reads_rank_from_torch_distributed(monkeypatch):
     s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM)
     assert (s.num_replicas, s.rank) == (4, 2)
     assert list(s) == list(BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM, num_replicas=4, rank=2))
+
+
+def test_lightning_trainer_uses_it_and_sets_epoch(tmp_path):
+    """Trainer(use_distributed_sampler=False) keeps the batch sampler and calls set_epoch each epoch."""
+    import lightning as L
+
+    seq_lens = random_seq_lens(600, seed=12)
+    sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=M_MEM, cost_model=power_model(), seed=4)
+    seen = []
+
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            seen.append((self.current_epoch, batch.tolist()))
+            return (self.w * batch.float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    loader = DataLoader(torch.arange(len(seq_lens)), batch_sampler=sampler)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Recorder(), loader)
+    for epoch in (0, 1):
+        reference = BucketBatchSampler(seq_lens, policy="balanced", m_mem=M_MEM, cost_model=power_model(), seed=4)
+        reference.set_epoch(epoch)
+        assert [b for e, b in seen if e == epoch] == list(reference)

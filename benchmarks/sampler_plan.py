@@ -102,6 +102,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible",
+        "load_average_1_5_15min_at_end": list(os.getloadavg()),  # the machine is shared; timings scale with it
         "versions": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
                      "lightning_adaptiveload": lightning_adaptiveload.__version__},
         "settings": vars(args),

@@ -4,6 +4,7 @@ gradient all-reduce), so imbalance shows up as bubble time and lost throughput."
 from __future__ import annotations
 
 import numpy as np
+from tqdm import tqdm
 
 from lightning_adaptiveload.sampler import BucketBatchSampler
 from lightning_adaptiveload.shapes import ShapeMix
@@ -38,13 +39,15 @@ def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) 
 
 
 def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int, seed: int = 0,
-             m_comp: float | None = None, max_seq_len: int | None = None, num_samples: int | None = None) -> dict:
+             m_comp: float | None = None, max_seq_len: int | None = None, num_samples: int | None = None,
+             progress: bool = False) -> dict:
     """Simulate `steps` data-parallel steps of `policy` (epochs 0, 1, ... of the sampler's plan).
 
     The dataset is the mix's histogram expanded to one entry per sample, or, with num_samples,
     that many samples drawn from the mix's shape distribution (seeded). Returns step_metrics plus
     policy, m_mem, m_comp, p, the bucket table (tokens, samples, batch size) and the first epoch's
-    sample accounting (samples_per_epoch, steps_per_epoch, dropped_*).
+    sample accounting (samples_per_epoch, steps_per_epoch, dropped_*). progress: a tqdm bar of
+    steps on a terminal.
     """
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -57,6 +60,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
                                  num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len)
     times, tokens, samples = [], [], []
     epoch, have = 0, 0
+    bar = tqdm(total=steps, desc=f"simulate {policy}", unit="step", disable=None if progress else True)
     while have < steps:
         sampler.set_epoch(epoch)
         plan = sampler.plan()
@@ -66,9 +70,11 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         tokens.append(b * s)
         samples.append(b)
         have += len(take)
+        bar.update(len(take))
         epoch += 1
         if epoch == 1:
             first = sampler.stats
+    bar.close()
     metrics = step_metrics(np.concatenate(times), np.concatenate(tokens), np.concatenate(samples))
     counts = np.bincount(sampler.bucket_of[sampler.bucket_of >= 0], minlength=len(sampler.bucket_seq_len))
     return {

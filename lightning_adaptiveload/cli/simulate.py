@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
     cost_model = load_cost_model(args.cost_model)
     result = simulate(mix, cost_model, m_mem=args.m_mem, world_size=args.world_size, policy=args.policy,
                       steps=args.steps, seed=args.seed, m_comp=args.m_comp, max_seq_len=args.max_seq_len,
-                      num_samples=args.num_samples)
+                      num_samples=args.num_samples, progress=True)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -84,12 +84,28 @@ def _display(module_name: str) -> str:
     return module_name or "<root>"
 
 
+def _canonical(node: object) -> str:
+    """AST as text, independent of the Python version's ast.dump format: fields that are None or
+    empty (e.g. 3.12's `type_params`) are skipped, type comments and string prefixes ignored."""
+    if isinstance(node, ast.AST):
+        fields = [
+            f"{name}={_canonical(value)}"
+            for name, value in ast.iter_fields(node)
+            if value is not None and value != [] and name not in ("type_comment", "kind")
+        ]
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_canonical(item) for item in node) + "]"
+    return repr(node)
+
+
 def source_fingerprint(fn: Callable) -> str | None:
     """sha256 (16 hex) of a function's AST without docstrings, comments and type annotations.
 
     Two functions share a fingerprint iff they are the same code up to formatting, so a pattern
-    applies to every library version whose forward is the one we checked, and to no other.
-    None when the source is not available (e.g. a C function or a frozen install).
+    applies to every library version whose forward is the one we checked, and to no other. The
+    same source gives the same fingerprint on Python 3.10-3.13. None when the source is not
+    available (e.g. a C function or a frozen install).
     """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -104,7 +120,7 @@ def source_fingerprint(fn: Callable) -> str | None:
                     node.body = body[1:]
         elif isinstance(node, ast.arg):
             node.annotation = None
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+    return hashlib.sha256(_canonical(tree).encode()).hexdigest()[:16]
 
 
 def layer_norm_reason(module: nn.Module, attr: str, *, fp32_forward: dict[str, str] | None = None) -> str | None:

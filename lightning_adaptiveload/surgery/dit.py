@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_adaptiveload.surgery.core import Pattern, fused_modulate, layer_norms_check, source_fingerprint
 
 CHECKED_AT = "facebookresearch/DiT models.py @ 00d70ac"
-MODULATE_CHECKED = {"b6824767b6c4bdac": CHECKED_AT}
+MODULATE_CHECKED = {"65f91e09bb8983d1": CHECKED_AT}
 
 
 def dit_block_forward(self: nn.Module, x: Tensor, c: Tensor) -> Tensor:
@@ -45,6 +45,6 @@ def _reason(*norms: str):
     return lambda module: norms_check(module) or _modulate_reason(module)
 
 
-DIT_BLOCK = Pattern("dit.DiTBlock", "DiTBlock", dit_block_forward, {"e20b288d75546b01": CHECKED_AT}, _reason("norm1", "norm2"))
-DIT_FINAL_LAYER = Pattern("dit.FinalLayer", "FinalLayer", final_layer_forward, {"ebe6915094420861": CHECKED_AT}, _reason("norm_final"))
+DIT_BLOCK = Pattern("dit.DiTBlock", "DiTBlock", dit_block_forward, {"466c225e783cada2": CHECKED_AT}, _reason("norm1", "norm2"))
+DIT_FINAL_LAYER = Pattern("dit.FinalLayer", "FinalLayer", final_layer_forward, {"321970891b38caa8": CHECKED_AT}, _reason("norm_final"))
 PATTERNS = [DIT_BLOCK, DIT_FINAL_LAYER]

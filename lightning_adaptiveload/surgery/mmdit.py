@@ -196,27 +196,27 @@ def _norm2_reason(block: nn.Module) -> str | None:
 
 ADA_LAYER_NORM_ZERO = Pattern(
     "diffusers.AdaLayerNormZero", "AdaLayerNormZero", ada_layer_norm_zero_forward,
-    {"117d4529cfacef4f": CHECKED_AT}, _norm_reason,
+    {"8d53301f68852097": CHECKED_AT}, _norm_reason,
 )
 ADA_LAYER_NORM_ZERO_SINGLE = Pattern(
     "diffusers.AdaLayerNormZeroSingle", "AdaLayerNormZeroSingle", ada_layer_norm_zero_single_forward,
-    {"5b0ed900e9fa959b": CHECKED_AT}, _norm_reason,
+    {"82973cd1632ed05f": CHECKED_AT}, _norm_reason,
 )
 ADA_LAYER_NORM_CONTINUOUS = Pattern(
     "diffusers.AdaLayerNormContinuous", "AdaLayerNormContinuous", ada_layer_norm_continuous_forward,
-    {"9d13cb24b30958fb": CHECKED_AT}, _norm_reason,
+    {"bfee5949ad241352": CHECKED_AT}, _norm_reason,
 )
 SD35_ADA_LAYER_NORM_ZERO_X = Pattern(
     "diffusers.SD35AdaLayerNormZeroX", "SD35AdaLayerNormZeroX", sd35_ada_layer_norm_zero_x_forward,
-    {"873693cf308e07e8": CHECKED_AT}, _norm_reason,
+    {"9d1ed1386964833e": CHECKED_AT}, _norm_reason,
 )
 JOINT_TRANSFORMER_BLOCK = Pattern(
     "diffusers.JointTransformerBlock.norm2", "JointTransformerBlock", joint_transformer_block_forward,
-    {"1f923ddd3eaa226c": CHECKED_AT}, _norm2_reason,
+    {"ccbb39db65d299ce": CHECKED_AT}, _norm2_reason,
 )
 FLUX_TRANSFORMER_BLOCK = Pattern(
     "diffusers.FluxTransformerBlock.norm2", "FluxTransformerBlock", flux_transformer_block_forward,
-    {"ec07459a6d892f03": CHECKED_AT}, _norm2_reason,
+    {"0e5dede637fa82eb": CHECKED_AT}, _norm2_reason,
 )
 PATTERNS = [
     ADA_LAYER_NORM_ZERO,

@@ -49,6 +49,6 @@ def head_forward(self: nn.Module, x: Tensor, time_emb: Tensor) -> Tensor:
     return self.head(h)
 
 
-VIDEO_DIT_BLOCK = Pattern("video_dit.DiTBlock", "DiTBlock", block_forward, {"cbd95021efe5af70": CHECKED_AT}, layer_norms_check("norm1", "norm2"))
-VIDEO_DIT_HEAD = Pattern("video_dit.Head", "Head", head_forward, {"3b8cb1b1da388bbf": CHECKED_AT}, layer_norms_check("norm"))
+VIDEO_DIT_BLOCK = Pattern("video_dit.DiTBlock", "DiTBlock", block_forward, {"d2ecd3e5fad7b2f0": CHECKED_AT}, layer_norms_check("norm1", "norm2"))
+VIDEO_DIT_HEAD = Pattern("video_dit.Head", "Head", head_forward, {"0257aa74e9be067c": CHECKED_AT}, layer_norms_check("norm"))
 PATTERNS = [VIDEO_DIT_BLOCK, VIDEO_DIT_HEAD]

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from lightning_adaptiveload.surgery.core import Pattern, fused_modulate_fp32, layer_norms_check, patch_class, run_original, upcast_fallback_reason
 
 # FP32LayerNorm.forward as in diffusers 0.42.1: layer_norm of x.float() (fp32 weight/bias), cast back.
-FP32_LAYER_NORM_CHECKED = {"2995f2ad89afb904": "diffusers 0.42.1"}
-WAN_BLOCK_CHECKED = {"ccb404df31c4e788": "diffusers 0.42.1"}
+FP32_LAYER_NORM_CHECKED = {"6130489cb2d1044a": "diffusers 0.42.1"}
+WAN_BLOCK_CHECKED = {"9cff22c73ad8ec81": "diffusers 0.42.1"}
 
 
 def wan_block_forward(

@@ -111,7 +111,7 @@ def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: 
                policy: str, world_size: int, seed: int, epoch: int, drop_last: bool = True,
                exclude: np.ndarray | None = None, segment: int = 0, p: float | None = None,
                cost_model=None, grouped: np.ndarray | None = None) -> EpochPlan:
-    """Global plan of an epoch. bucket_of: (N,) int64 bucket of each sample, -1 = dropped (oversize);
+    """Global plan of an epoch. bucket_of: (N,) int bucket of each sample, -1 = dropped (oversize);
     bucket_seq_len, bucket_batch: (K,) int64 tokens and batch size of each bucket; exclude: (N,) bool,
     samples already consumed (a resume); segment: which re-plan of the epoch this is (RNG stream);
     grouped: group_by_bucket(bucket_of), computed here when not given.
@@ -155,15 +155,15 @@ def plan_epoch(bucket_of: np.ndarray, bucket_seq_len: np.ndarray, bucket_batch: 
 
     shuffled = rng.permutation(len(batch_len))
     n_steps, rest = divmod(len(shuffled), world_size)
-    grouped, leftover = shuffled[: n_steps * world_size], shuffled[n_steps * world_size:]
+    in_steps, leftover = shuffled[: n_steps * world_size], shuffled[n_steps * world_size:]
     if policy == "balanced":
         # full batches of a bucket share one cost: price K buckets plus the few partial batches
-        costs = batch_costs(bucket_batch, bucket_seq_len, p, cost_model)[bucket[grouped]]
-        partial_ids = np.flatnonzero(batch_len[grouped] != bucket_batch[bucket[grouped]])
-        costs[partial_ids] = batch_costs(batch_len[grouped[partial_ids]], bucket_seq_len[bucket[grouped[partial_ids]]],
+        costs = batch_costs(bucket_batch, bucket_seq_len, p, cost_model)[bucket[in_steps]]
+        partial_ids = np.flatnonzero(batch_len[in_steps] != bucket_batch[bucket[in_steps]])
+        costs[partial_ids] = batch_costs(batch_len[in_steps[partial_ids]], bucket_seq_len[bucket[in_steps[partial_ids]]],
                                          p, cost_model)
-        grouped = grouped[np.argsort(costs, kind="stable")]  # ties keep their random order
-    steps = grouped.reshape(n_steps, world_size)
+        in_steps = in_steps[np.argsort(costs, kind="stable")]  # ties keep their random order
+    steps = in_steps.reshape(n_steps, world_size)
     if policy == "balanced":
         steps = rng.permuted(steps[rng.permutation(n_steps)], axis=1)
 

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from lightning_adaptiveload.policies import POLICIES, batch_sizes, dual_constraint_batch_size, token_equal_batch_size
+from lightning_adaptiveload.policies import POLICIES, batch_sizes
 from lightning_adaptiveload.sampler import batch_costs, resolve_compute_budget
 from lightning_adaptiveload.shapes import ShapeMix
 
@@ -55,9 +55,7 @@ class StreamPlan:
     class_prob: np.ndarray
 
     def batch_size(self, seq_len: int) -> int:
-        if self.policy == "token_equal":
-            return token_equal_batch_size(seq_len, self.m_mem)
-        return dual_constraint_batch_size(seq_len, self.m_mem, self.m_comp, self.p)
+        return int(batch_sizes(np.array([seq_len]), self.policy, self.m_mem, self.m_comp, self.p)[0])
 
     def batch_class(self, seq_len: int) -> int:
         """Cost class of a full batch of `seq_len` tokens (clipped to the planned classes)."""

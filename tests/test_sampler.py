@@ -204,10 +204,10 @@ def test_resume_same_world_size_is_exact(policy):
     assert [list(s) for s in resumed] == [f[17:] for f in full]
 
 
-@pytest.mark.parametrize("policy", ["dual_constraint", "balanced"])
-def test_resume_other_world_sizes_no_repeats(policy):
+@pytest.mark.parametrize("policy, drop_last", [("dual_constraint", True), ("balanced", True), ("balanced", False)])
+def test_resume_other_world_sizes_no_repeats(policy, drop_last):
     seq_lens = random_seq_lens(5000, seed=41)
-    kw = dict(policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=5)
+    kw = dict(policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=5, drop_last=drop_last)
     first = make_ranks(seq_lens, 4, **kw)
     for s in first:
         s.set_epoch(2)

@@ -3,10 +3,13 @@ example video DiT, a model without AdaLN, runtime fallbacks, torch.compile and t
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger
 import pytest
 import torch
 import torch.nn.functional as F
@@ -268,8 +271,8 @@ def _loader(batches=2):
 TINY = dict(in_channels=4, dim=48, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
 
 
-def _trainer(tmp_path, callback):
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+def _trainer(tmp_path, callback, logger=False):
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                      callbacks=[callback])
 
@@ -277,10 +280,12 @@ def _trainer(tmp_path, callback):
 def test_callback_fuses_in_setup(tmp_path):
     module = VideoDiTModule(**TINY)
     callback = FusedAdaLNSurgery(require_replacement=True)
-    _trainer(tmp_path, callback).fit(module, train_dataloaders=_loader())
+    trainer = _trainer(tmp_path, callback, logger=CSVLogger(tmp_path))
+    trainer.fit(module, train_dataloaders=_loader())
     assert callback.report.counts() == {"video_dit.DiTBlock": 2, "video_dit.Head": 1}
     assert module.dit.blocks[0].forward.__func__ is video_dit.block_forward
-    assert (tmp_path / "fused_adaln_surgery.json").is_file()
+    saved = json.loads((Path(trainer.log_dir) / "fused_adaln_surgery.json").read_text())
+    assert saved["replaced"] == callback.report.replaced
 
 
 def test_callback_require_replacement_flags_configure_model_builds(tmp_path):

@@ -23,8 +23,8 @@ class FusedAdaLNSurgery(Callback):
     patterns: pattern names to use (default all, see `surgery.PATTERN_NAMES`).
     require_replacement: raise in setup() if nothing was replaced (guards against a silent no-op,
         e.g. an unchecked library version or a model built in `configure_model`).
-    The report is kept in `self.report`, logged on rank 0 and written to
-    `<log_dir>/fused_adaln_surgery.json` when the trainer has a log dir.
+    The report is kept in `self.report`, logged on rank 0 and, when the trainer has a logger,
+    written to `<trainer.log_dir>/fused_adaln_surgery.json`.
     """
 
     def __init__(self, patterns: Iterable[str] | None = None, require_replacement: bool = False) -> None:
@@ -44,7 +44,7 @@ class FusedAdaLNSurgery(Callback):
         if self.report is None or report.num_replaced:  # keep the first report across fit/validate stages
             self.report = report
         rank_zero_info(str(report))
-        if trainer.is_global_zero and trainer.log_dir is not None:
+        if trainer.is_global_zero and trainer.loggers and trainer.log_dir is not None:
             os.makedirs(trainer.log_dir, exist_ok=True)
             with open(os.path.join(trainer.log_dir, "fused_adaln_surgery.json"), "w") as f:
                 json.dump(report.to_dict(), f, indent=1)

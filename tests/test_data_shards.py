@@ -13,7 +13,7 @@ from lightning_adaptiveload.cli import main as cli_main
 from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
 from lightning_adaptiveload.data.shards import (BadSample, decode_sample, encode_sample, fit_shape, resize_latent,
                                                 resolve_shards, shape_for_tokens, stand_in_text, write_shard,
-                                                write_synthetic_shards)
+                                                write_synthetic_shards, write_text)
 from lightning_adaptiveload.shapes import ShapeMix, TokenSpec
 
 SPEC = TokenSpec()
@@ -44,9 +44,9 @@ def test_encode_decode_round_trip(fmt, dtype):
     text = rng.standard_normal((9, 8)).astype(np.float32)  # longer than text_len: truncated
     files = encode_sample("s1", latent, {"caption": "x"}, text, latent_format=fmt)
     out = decode_sample("s1", files, **DECODE)
-    assert out["latent"].dtype == torch.float32
-    np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
-    np.testing.assert_array_equal(out["text"].numpy(), text[:6])
+    assert out["latent"].dtype == torch.from_numpy(latent).dtype  # stored dtype; float32 in the batch
+    np.testing.assert_array_equal(out["latent"].float().numpy(), latent.astype(np.float32))
+    np.testing.assert_array_equal(write_text(torch.empty(6, 8), out).numpy(), text[:6])
     assert out["latent_shape"] == (3, 4, 6) and out["seq_len"] == tokens_ref(3, 4, 6)
     assert json.loads(files["json"])["latent_shape"] == [3, 4, 6]
 
@@ -55,11 +55,11 @@ def test_short_text_zero_padded_and_missing_text_gets_seeded_stand_in():
     rng = np.random.default_rng(1)
     latent = rng.standard_normal((4, 1, 4, 4)).astype(np.float32)
     short = rng.standard_normal((2, 8)).astype(np.float32)
-    out = decode_sample("a", encode_sample("a", latent, {}, short), **DECODE)
-    np.testing.assert_array_equal(out["text"][:2].numpy(), short)
-    assert not out["text"][2:].any()
-    no_text = decode_sample("b", encode_sample("b", latent, {"caption": "a dog"}), **DECODE)["text"]
-    again = decode_sample("c", encode_sample("c", latent, {"caption": "a dog"}), **DECODE)["text"]
+    text = write_text(torch.full((6, 8), 7.0), decode_sample("a", encode_sample("a", latent, {}, short), **DECODE))
+    np.testing.assert_array_equal(text[:2].numpy(), short)
+    assert not text[2:].any()
+    no_text = write_text(torch.empty(6, 8), decode_sample("b", encode_sample("b", latent, {"caption": "a dog"}), **DECODE))
+    again = write_text(torch.empty(6, 8), decode_sample("c", encode_sample("c", latent, {"caption": "a dog"}), **DECODE))
     assert torch.equal(no_text, again) and torch.equal(no_text, stand_in_text("a dog", 6, 8))
     assert no_text.std() > 0.5 and not torch.equal(no_text, stand_in_text("a cat", 6, 8))
 
@@ -224,7 +224,7 @@ def test_synthetic_shards_follow_the_mix(tmp_path):
     assert abs(frac - 0.7) < 4 * math.sqrt(0.21 / 300)  # binomial, 4 sigma
     assert set(shapes) <= {(1, 8, 8), (1, 4, 8), shape_for_tokens(200, SPEC)}
     out = decode_sample(rows[0]["key"], read_members({}, rows[0]["shard"], rows[0]["members"]), **{**DECODE, "text_dim": 8})
-    assert 0.7 < out["latent"].std() < 1.3  # N(0, 1) data, not zeros
+    assert 0.7 < out["latent"].float().std() < 1.3  # N(0, 1) data, not zeros
 
 
 def test_cli_make_shards_and_index(tmp_path, capsys):

@@ -14,6 +14,7 @@ seq_len int (tokens per sample), latent_shape (T, H, W), keys list[str].
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -27,7 +28,7 @@ from lightning_adaptiveload.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
 from lightning_adaptiveload.data.shards import (SKIPPED_KEY, BadSample, check_config, decode_sample,
                                                 inspect_sample, mix_latent_shapes, resolve_shards, shape_for_tokens,
-                                                write_synthetic_shards)
+                                                write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.stream import StreamingLatentDataset
 from lightning_adaptiveload.policies import POLICIES, batch_sizes
 from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
@@ -76,10 +77,11 @@ class IndexedShardDataset(Dataset):
             return {"key": row["key"], "skip": e.reason, "detail": str(e)}
 
 
-def collate_samples(samples: list[dict]) -> dict:
-    """Stack decoded samples into a batch dict; skip markers become batch["skipped"] (reason ->
-    count). Samples whose shape differs from the batch's first (two unplanned shapes with equal
-    tokens in one streaming bucket) are skipped as "shape_collision". Raises if none survived."""
+def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
+    """Batch dict of decoded samples, written straight into float32 batch tensors; skip markers
+    become batch["skipped"] (reason -> count). Samples whose shape differs from the batch's first
+    (two unplanned shapes with equal tokens in one streaming bucket) are skipped as
+    "shape_collision". Raises if no sample of the batch survived."""
     good = [s for s in samples if "skip" not in s]
     skipped = Counter(s["skip"] for s in samples if "skip" in s)
     if not good:
@@ -89,9 +91,14 @@ def collate_samples(samples: list[dict]) -> dict:
     shape = good[0]["latent_shape"]
     skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
     good = [s for s in good if s["latent_shape"] == shape]
+    latents = torch.empty(len(good), *good[0]["latent"].shape)
+    text = torch.empty(len(good), text_len, text_dim)
+    for i, sample in enumerate(good):
+        latents[i].copy_(sample["latent"])
+        write_text(text[i], sample)
     return {
-        "latents": torch.stack([s["latent"] for s in good]),
-        "text": torch.stack([s["text"] for s in good]),
+        "latents": latents,
+        "text": text,
         "seq_len": int(good[0]["seq_len"]),
         "latent_shape": tuple(shape),
         "keys": [s["key"] for s in good],
@@ -347,6 +354,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         return {"spec": self.spec, "latent_channels": self.latent_channels, "text_dim": self.text_dim,
                 "max_seq_len": self.max_seq_len, "oversize": self.oversize}
 
+    def _collate(self):
+        return functools.partial(collate_samples, text_len=self.text_len, text_dim=self.text_dim)
+
     def _decode_kwargs(self) -> dict:
         return {**self._check_kwargs(), "text_len": self.text_len}
 
@@ -414,7 +424,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                                 max_seq_len=max(self.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
         keys = {shape: key for key, shape in self._key_shape.items()}
         return StreamingLatentDataset(self.shard_paths, plan, keys=keys, decode_kwargs=self._decode_kwargs(),
-                                      collate=collate_samples, steps_per_epoch=self.steps_per_epoch, rank=rank,
+                                      collate=self._collate(), steps_per_epoch=self.steps_per_epoch, rank=rank,
                                       world_size=num_replicas, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
                                       max_buffer_samples=self.max_buffer_samples,
                                       max_buffer_bytes=self.max_buffer_bytes)
@@ -426,7 +436,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         common = dict(num_workers=self.num_workers, pin_memory=torch.cuda.is_available(), epoch_fn=epoch_fn)
         if self.dataset is not None:
             return ResumableLoader(self.dataset, batch_sampler=self.build_sampler(num_replicas, rank),
-                                   collate_fn=collate_samples, persistent_workers=self.num_workers > 0, **common)
+                                   collate_fn=self._collate(), persistent_workers=self.num_workers > 0, **common)
         if num_replicas is None or rank is None:
             world = torch.distributed.is_available() and torch.distributed.is_initialized()
             num_replicas = torch.distributed.get_world_size() if world else 1

@@ -150,7 +150,7 @@ def _decode_latent(files: dict[str, bytes], key: str) -> torch.Tensor:
             raise BadSample("bad_latent", f"{key}.latent.npy: {e}") from None
         if array.dtype not in NPY_DTYPES:
             raise BadSample("bad_dtype", f"{key}.latent.npy has dtype {array.dtype}, expected float16/float32")
-        return torch.from_numpy(array.astype(np.float32, copy=False))
+        return torch.from_numpy(array)
     if "latent.pth" in files:
         try:
             tensor = torch.load(io.BytesIO(files["latent.pth"]), weights_only=True, map_location="cpu")
@@ -160,7 +160,7 @@ def _decode_latent(files: dict[str, bytes], key: str) -> torch.Tensor:
             raise BadSample("bad_latent", f"{key}.latent.pth holds a {type(tensor).__name__}, not a tensor")
         if tensor.dtype not in PTH_DTYPES:
             raise BadSample("bad_dtype", f"{key}.latent.pth has dtype {tensor.dtype}, expected float16/bfloat16/float32")
-        return tensor.float()
+        return tensor
     raise BadSample("missing_latent", f"sample {key!r} has no .latent.npy or .latent.pth (members: {sorted(files)})")
 
 
@@ -219,13 +219,24 @@ def _stand_in_table(text_dim: int) -> torch.Tensor:
     return torch.randn(STAND_IN_VOCAB, text_dim, generator=torch.Generator().manual_seed(0))
 
 
-def stand_in_text(seed_text: str, text_len: int, text_dim: int) -> torch.Tensor:
+def stand_in_text(seed_text: str, text_len: int, text_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """(text_len, text_dim) float32 stand-in embedding: rows of a fixed N(0, 1) table of
     STAND_IN_VOCAB "token embeddings", picked by an RNG seeded with crc32 of `seed_text` (the
     caption, or the key), so the same sample always gets the same stand-in. A gather, not fresh
-    random numbers (cheap at 512 x 4096). Not a text encoder output."""
+    random numbers (cheap at 512 x 4096); written into `out` if given. Not a text encoder output."""
     ids = np.random.default_rng(zlib.crc32(seed_text.encode())).integers(STAND_IN_VOCAB, size=text_len)
-    return torch.index_select(_stand_in_table(text_dim), 0, torch.from_numpy(ids))
+    return torch.index_select(_stand_in_table(text_dim), 0, torch.from_numpy(ids), out=out)
+
+
+def write_text(out: torch.Tensor, sample: dict) -> torch.Tensor:
+    """Fill `out` (text_len, text_dim) float32 with a decoded sample's text embedding, zero-padded
+    to text_len as text encoders pad their context, or with its stand-in if it has none."""
+    if sample["text"] is None:
+        return stand_in_text(sample["text_seed"], out.shape[0], out.shape[1], out=out)
+    n = len(sample["text"])
+    out[:n].copy_(sample["text"])
+    out[n:].zero_()
+    return out
 
 
 def _decode_text(data: bytes, key: str) -> np.ndarray:
@@ -241,7 +252,7 @@ def _decode_text(data: bytes, key: str) -> np.ndarray:
 def inspect_sample(key: str, files: dict[str, bytes]) -> tuple[dict, torch.Tensor, np.ndarray | None]:
     """Checks that need no configuration: JSON, latent decodes as a finite float (C, T, H, W)
     matching the JSON's latent_shape, text (if any) a float (L, D) array.
-    Returns (meta, latent float32, text array or None); raises BadSample."""
+    Returns (meta, latent tensor in its stored dtype, text array or None); raises BadSample."""
     meta = decode_meta(files.get(META_SUFFIX), key)
     latent = _decode_latent(files, key)
     if latent.ndim != 4:
@@ -251,7 +262,7 @@ def inspect_sample(key: str, files: dict[str, bytes]) -> tuple[dict, torch.Tenso
                         f"latent_shape {meta['latent_shape']}")
     # One reduction instead of an elementwise mask: NaN/inf make the sum non-finite; only then
     # look closer (a finite sum that overflowed is a false alarm of the shortcut).
-    if not torch.isfinite(latent.sum()) and not torch.isfinite(latent).all():
+    if not torch.isfinite(latent.sum(dtype=torch.float32)) and not torch.isfinite(latent).all():
         raise BadSample("non_finite", f"sample {key!r}: latent holds NaN or inf")
     text = _decode_text(files[TEXT_SUFFIX], key) if TEXT_SUFFIX in files else None
     return meta, latent, text
@@ -278,24 +289,20 @@ def check_config(key: str, channels: int, thw: tuple[int, int, int], text_dim_fo
 
 def decode_sample(key: str, files: dict[str, bytes], *, spec: TokenSpec, latent_channels: int,
                   text_len: int, text_dim: int, max_seq_len: int | None, oversize: str = "drop") -> dict:
-    """Decode and validate one sample's members (suffix -> bytes). Returns
-    {"key", "latent" (C, T, H, W) float32, "text" (text_len, text_dim) float32, "latent_shape"
-    (T, H, W), "seq_len" tokens}; raises BadSample naming the reason otherwise. A sample without
-    `.text.npy` gets `stand_in_text` of its caption (or key)."""
+    """Decode and validate one sample's members (suffix -> bytes); raises BadSample naming the
+    reason. Returns {"key", "latent" (C, T, H, W) tensor in its stored dtype (float32 once
+    resized), "text" (<= text_len, text_dim) tensor in its stored dtype or None, "text_seed"
+    (caption or key, for `stand_in_text`), "latent_shape" (T, H, W), "seq_len" tokens}.
+    Conversion to float32, padding and stand-in text happen once, in the batch (`write_text`)."""
     meta, latent, text = inspect_sample(key, files)
     thw, seq_len = check_config(key, latent.shape[0], tuple(latent.shape[1:]),
                                 None if text is None else text.shape[1], spec=spec,
                                 latent_channels=latent_channels, text_dim=text_dim,
                                 max_seq_len=max_seq_len, oversize=oversize)
     if thw != tuple(latent.shape[1:]):
-        latent = resize_latent(latent, thw)
-    if text is None:
-        text = stand_in_text(str(meta.get("caption") or key), text_len, text_dim)
-    else:
-        text = torch.from_numpy(text.astype(np.float32, copy=False))[:text_len]
-        # Shorter embeddings are zero-padded to text_len, as text encoders pad their context.
-        text = F.pad(text, (0, 0, 0, text_len - text.shape[0]))
-    return {"key": key, "latent": latent, "text": text, "latent_shape": thw, "seq_len": seq_len}
+        latent = resize_latent(latent.float(), thw)
+    return {"key": key, "latent": latent, "text": None if text is None else torch.from_numpy(text[:text_len]),
+            "text_seed": str(meta.get("caption") or key), "latent_shape": thw, "seq_len": seq_len}
 
 
 # --- synthetic shards -----------------------------------------------------------------------

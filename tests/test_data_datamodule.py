@@ -219,6 +219,8 @@ def test_prepare_data_synthesizes_shards_and_index(tmp_path):
     mtime = (tmp_path / "index.jsonl").stat().st_mtime_ns
     dm.prepare_data()  # second run: nothing rewritten
     assert (tmp_path / "index.jsonl").stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError, match="one folder"):
+        AdaptiveLoadDataModule(shards=str(tmp_path / "s-{0..3}.tar"), synthesize=10).prepare_data()
 
 
 class KeyRecorder(L.LightningModule):

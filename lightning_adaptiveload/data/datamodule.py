@@ -251,7 +251,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         """With `synthesize`: write synthetic shards (and the index) where they are missing."""
         if not self.synthesize:
             return
-        folder = Path(self.shards if isinstance(self.shards, str) else self.shards[0])
+        if not isinstance(self.shards, str) or "{" in self.shards or self.shards.endswith(".tar"):
+            raise ValueError(f"synthesize needs `shards` to be one folder to write into, got {self.shards!r}")
+        folder = Path(self.shards)
         if not any(folder.glob("*.tar")):
             mix = read_shapes_jsonl(self.synthesize_shapes or REFERENCE_MIX, self.spec)
             write_synthetic_shards(mix, self.synthesize, folder, spec=self.spec, seed=self.seed,

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
-from lightning_adaptiveload.data.shards import (SKIPPED_KEY, BadSample, check_config, decode_sample,
-                                                inspect_sample, mix_latent_shapes, resolve_shards, shape_for_tokens,
+from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config, decode_meta,
+                                                decode_sample, inspect_sample, mix_latent_shapes, resolve_shards, shape_for_tokens,
                                                 write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.stream import StreamingLatentDataset
 from lightning_adaptiveload.policies import POLICIES, batch_sizes
@@ -336,16 +336,24 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self._set_table(rows[:, :3], rows[:, 3], rows[:, 4])
 
     def _probe(self, limit: int) -> tuple[list, Counter]:
-        """Up to `limit` valid samples' (latent (T, H, W), tokens) from the first shards, and skip counts."""
+        """Up to `limit` (latent (T, H, W), tokens) of valid samples from the first shards, and skip
+        counts. Samples are decoded in full until one passes; after that only their JSON is read
+        (the shapes estimate the mix; the stream validates every sample anyway)."""
         found, skipped = [], Counter()
         for shard in self.shard_paths:
-            for key, _, files, error in scan_shard(shard):
+            for key, spans, files, error in scan_shard(shard, read={"json"} if found else None):
                 try:
                     if error is not None:
                         raise error
-                    _, latent, text = inspect_sample(key, files)
-                    found.append(check_config(key, latent.shape[0], tuple(latent.shape[1:]),
-                                              None if text is None else text.shape[1], **self._check_kwargs()))
+                    if found:
+                        if not any(s in spans for s in LATENT_SUFFIXES):
+                            raise BadSample("missing_latent", key)
+                        thw = tuple(decode_meta(files.get("json"), key)["latent_shape"])
+                        found.append(check_config(key, self.latent_channels, thw, None, **self._check_kwargs()))
+                    else:
+                        _, latent, text = inspect_sample(key, files)
+                        found.append(check_config(key, latent.shape[0], tuple(latent.shape[1:]),
+                                                  None if text is None else text.shape[1], **self._check_kwargs()))
                 except BadSample as e:
                     skipped[e.reason] += 1
                 if len(found) >= limit:

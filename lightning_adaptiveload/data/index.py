@@ -29,11 +29,11 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2).lower())
 
 
-def scan_shard(path: str | Path):
+def scan_shard(path: str | Path, read: set[str] | None = None):
     """Yield (key, {suffix: (offset, size)}, {suffix: bytes}, error) per sample of a tar, grouping
-    consecutive members of one key as WebDataset does. `error` is a BadSample("read_error") for the
-    sample a truncated or corrupt tar broke off in (or the shard itself if it cannot be opened),
-    else None."""
+    consecutive members of one key as WebDataset does; only members whose suffix is in `read`
+    (default: all) have their bytes read. `error` is a BadSample("read_error") for the sample a
+    truncated or corrupt tar broke off in (or the shard itself if it cannot be opened), else None."""
     size_on_disk = os.path.getsize(path)
     key, spans, files = None, {}, {}
     try:
@@ -47,9 +47,10 @@ def scan_shard(path: str | Path):
                     key, spans, files = parts[0], {}, {}
                 if info.offset_data + info.size > size_on_disk:
                     raise tarfile.ReadError(f"member {info.name} runs past the end of the file")
-                f.seek(info.offset_data)
                 spans[parts[1]] = (info.offset_data, info.size)
-                files[parts[1]] = f.read(info.size)
+                if read is None or parts[1] in read:
+                    f.seek(info.offset_data)
+                    files[parts[1]] = f.read(info.size)
     except (tarfile.TarError, OSError, EOFError) as e:
         yield key or str(path), spans, files, BadSample("read_error", f"{path}: {e}")
         return

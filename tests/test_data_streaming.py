@@ -135,3 +135,16 @@ def test_synthetic_batch_structure_equals_streamed_batch(tmp_path):
     assert {k: type(v) for k, v in synth.items()} == {k: type(v) for k, v in real.items()}
     assert synth["latents"].shape[1:] == real["latents"].shape[1:] and synth["text"].shape[1:] == real["text"].shape[1:]
     assert synth["seq_len"] == real["seq_len"]
+
+
+def test_dry_stream_raises_instead_of_hanging(tmp_path):
+    # tiny shards and a shuffle buffer larger than the data: no false alarm
+    write_dataset(tmp_path / "tiny", n=8, shards=8)
+    assert len(rank_batches(stream_dm(tmp_path / "tiny", shuffle_buffer=256), 1, 0)) == 7
+    # rank 1 owns only a shard of bad samples (setup's probe finds shard 0 fine): a clear error
+    write_dataset(tmp_path / "half", n=10, shards=1)
+    write_shard(tmp_path / "half" / "shard-0001.tar", [(f"b{i}", {"json": b"{"}) for i in range(5)])
+    dm = stream_dm(tmp_path / "half")
+    assert len(rank_batches(dm, 2, 0)) == 7
+    with pytest.raises(RuntimeError, match="no valid sample in .* shard reads on rank 1"):
+        rank_batches(dm, 2, 1)

@@ -198,7 +198,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         latent_channels: C of every latent. text_len, text_dim: (L, D_text) of the text entry.
         num_workers: DataLoader workers. seed: shuffling seed (all ranks share it).
         steps_per_epoch: batches per rank per epoch on the streaming path.
-        shuffle_buffer: samples shuffled before bucketing (streaming), per worker.
+        shuffle_buffer: decoded samples shuffled before bucketing (streaming), per worker.
         max_buffer_samples, max_buffer_bytes: bound of the streaming batcher's bucket buffers, per
             worker (samples, bytes of decoded tensors).
         shapes: shapes JSONL describing the stream's mix (streaming: bucket table for calibration).

@@ -2,7 +2,7 @@
 
 Pipeline in each worker:
   shard order (explicit node + worker split, endlessly re-shuffled) -> webdataset tar reader
-  -> seeded shuffle buffer -> decode + validate (bad samples skipped and counted)
+  -> decode + validate (bad samples skipped and counted) -> seeded shuffle buffer
   -> StreamingBucketBatcher (lightning_adaptiveload.streaming) -> collate
 Every worker yields exactly its share of `steps_per_epoch`, so every rank yields the same
 number of batches whatever its shards hold.
@@ -18,6 +18,8 @@ from torch.utils.data import IterableDataset
 
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, SKIPPED_KEY, BadSample, decode_sample
 from lightning_adaptiveload.streaming import StreamingBucketBatcher, StreamPlan
+
+DRY_READS_PER_SHARD = 8
 
 
 def shard_order(shards: list[str], *, rank: int, world_size: int, worker: int, num_workers: int,
@@ -102,22 +104,27 @@ class StreamingLatentDataset(IterableDataset):
         def urls():
             for url in shard_order(self.shards, rank=self.rank, world_size=self.world_size, worker=worker,
                                    num_workers=num_workers, seed=self.seed, epoch=segment):
-                if not progress["valid"] and progress["shards"] > 2 * len(self.shards) + 2:
-                    # Every shard read so far held no usable sample: fail instead of spinning forever.
+                if not progress["valid"] and progress["shards"] > DRY_READS_PER_SHARD * (len(self.shards) + 1):
+                    # Every sample of every shard read so far was decoded and none was usable:
+                    # fail instead of spinning forever (with resampled shards, 8 reads per shard
+                    # miss a given shard with probability ~e^-8).
                     raise RuntimeError(f"no valid sample in {progress['shards']} shard reads on rank {self.rank} "
                                        f"worker {worker} (skipped: {dict(skipped)})")
                 progress["shards"] += 1
                 yield {"url": url}
 
+        # Decode before shuffling: validation keeps pace with reading (so the dry-stream check above
+        # holds), and a decoded float16 latent takes no more memory than its raw bytes.
         raw = wds.tarfile_to_samples(handler=read_error)(urls())
-        raw = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
-                          rng=random.Random(f"{self.seed}/{segment}/{self.rank}/{worker}"))(raw)
+        decoded = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer,
+                              rng=random.Random(f"{self.seed}/{segment}/{self.rank}/{worker}"))(
+            self._decoded(raw, skipped, progress))
         batcher = StreamingBucketBatcher(self.plan, batches_per_epoch=self.steps_per_epoch - self.steps_done,
                                          seed=self.seed, max_buffer_samples=self.max_buffer_samples,
                                          max_buffer_bytes=self.max_buffer_bytes, worker=worker,
                                          num_workers=num_workers)
         batcher.set_epoch(self.epoch)
-        for samples in batcher(self._decoded(raw, skipped, progress)):
+        for samples in batcher(decoded):
             for sample in samples:
                 sample["seq_len"] = sample.pop("tokens")  # batches report true tokens, not bucket keys
             batch = self.collate(samples)

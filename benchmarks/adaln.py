@@ -110,6 +110,26 @@ def measure(fn, x, shift, scale, dy) -> dict:
     }
 
 
+def fused_kernel_times_us(x, shift, scale, dy) -> dict:
+    """Mean GPU time (us) per launch of each fused-AdaLN kernel over 5 forward+backward calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = (x, shift, scale)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                torch.autograd.grad(fused(*inputs), inputs, dy)
+            torch.cuda.synchronize()
+        times = {}
+        for event in prof.key_averages():
+            us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+            if "adaln" in event.key and us:
+                times[event.key.split("(")[0].replace("void adaptiveload::", "")] = round(float(us), 2)
+        return times
+    except Exception as error:  # the profiler is a diagnostic: never fail the benchmark on it
+        return {"error": str(error)[:200]}
+
+
 def bench_shape(batch: int, seq: int, dim: int, compiled: dict) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * seq + dim)
     x = torch.randn(batch, seq, dim, generator=gen, device="cuda").bfloat16().requires_grad_()
@@ -127,6 +147,8 @@ def bench_shape(batch: int, seq: int, dim: int, compiled: dict) -> dict:
         "fwd_floor_ms": round(copy_ms, 4),  # read x + write y = one copy of x
         "bwd_floor_ms": round(1.5 * copy_ms, 4),  # read x, dy + write dx
     }
+    row["fused_kernels_us"] = fused_kernel_times_us(x, shift, scale, dy)
+    print(f"  fused kernels (us per launch): {row['fused_kernels_us']}", flush=True)
     variants = {"fused": fused, "eager_bf16": eager_bf16, "eager_wan_fp32": eager_wan_fp32, **compiled}
     for name, fn in variants.items():
         row[name] = measure(fn, x, shift, scale, dy)

@@ -30,6 +30,7 @@ if ! timeout 300 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; th
   stage "build FAILED (see build.log); nothing else can run"
   exit 1
 fi
+stage "build ok; compiler warnings in csrc: $(grep -cE "csrc/adaln[a-z_]*\.(cu|cuh|cpp|h)[:(].*warning" "$OUT/build.log")"
 python3 -c "import lightning_adaptiveload.ops as o; print('backend:', o.backend())" 2>&1 | tee -a "$summary"
 
 stage "2/3 GPU tests + compute-sanitizer (in parallel)"

@@ -62,23 +62,34 @@ struct BwdArgs {
 
 // ---------------------------------------------------------------- forward
 
-// Grid-stride over rows: about one resident wave of blocks, each normalizing rows in turn.
+// Loads this thread's vectors of one row (vectors threadIdx.x + i * blockDim.x, i < VPT).
+template <typename T, int VEC, int VPT>
+__device__ __forceinline__ void load_row(Vec<T, VEC> (&v)[VPT], const T* row_ptr, int nvec) {
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < nvec) v[i] = load_vec<T, VEC>(row_ptr + c * VEC);
+  }
+}
+
+// Grid-stride over rows: about one resident wave of blocks, each normalizing rows in turn. The
+// next row's loads are issued before this row's reductions so they overlap (software pipelining).
 template <typename T, typename M, int VPT>
 __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_vec_kernel(FwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[kWarpSize];
   const int nvec = a.dim / VEC;
+  Vec<T, VEC> xv[VPT];
+  if (blockIdx.x < a.rows) load_row<T, VEC, VPT>(xv, a.x + blockIdx.x * static_cast<int64_t>(a.dim), nvec);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t b = row / a.seq, n = row % a.seq;
-    const T* x_row = a.x + row * a.dim;
+    Vec<T, VEC> x_next[VPT];
+    if (row + gridDim.x < a.rows) load_row<T, VEC, VPT>(x_next, a.x + (row + gridDim.x) * a.dim, nvec);
 
-    Vec<T, VEC> xv[VPT];
     float sum[1] = {0.f};
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
-      if (c < nvec) {
-        xv[i] = load_vec<T, VEC>(x_row + c * VEC);
+      if (threadIdx.x + i * blockDim.x < nvec) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) sum[0] += static_cast<float>(xv[i].v[k]);
       }
@@ -125,6 +136,8 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_vec_kernel(FwdArgs<T, M
       a.mean[row] = mu;
       a.rstd[row] = rs;
     }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) xv[i] = x_next[i];
   }
 }
 
@@ -164,10 +177,12 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<
 // ---------------------------------------------------------------- backward
 
 // dx for every row of tile blockIdx.x of sample blockIdx.y, fused with the D-tile partial sums.
+// The next row's x and dy are loaded before this row's reduction (software pipelining); dxhat is
+// recomputed after the reduction instead of held, to leave registers for that prefetch.
 // kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
 // registers that per-token outputs and weight/bias need.
 template <typename T, typename M, int VPT, bool kGeneral>
-__global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
+__global__ void __maxnreg__(kBwdMaxRegisters) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[2 * kWarpSize];
   const float* weight = kGeneral ? a.weight : nullptr;
@@ -181,44 +196,67 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T,
   const bool param_sums = a.partial != nullptr && per_token;
   const float inv_dim = 1.f / a.dim;
 
-  float acc1[VPT][VEC], acc2[VPT][VEC];
+  // Column sums live in shared memory (2 * D floats, dynamic), not registers: registers go to
+  // the prefetched row instead. Each thread only touches its own features: no barriers needed.
+  extern __shared__ __align__(32) float dynamic_smem[];
+  float* acc1 = dynamic_smem;
+  float* acc2 = acc1 + a.dim;
+  if (a.partial != nullptr) {
 #pragma unroll
-  for (int i = 0; i < VPT; ++i)
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c >= nvec) continue;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc1[i][k] = acc2[i][k] = 0.f;
+      for (int k0 = 0; k0 < VEC; k0 += 4) {
+        store_vec<float, 4>(acc1 + c * VEC + k0, {0.f, 0.f, 0.f, 0.f});
+        store_vec<float, 4>(acc2 + c * VEC + k0, {0.f, 0.f, 0.f, 0.f});
+      }
+    }
+  }
 
+  Vec<T, VEC> xv[VPT], dyv[VPT];
+  if (n0 < n1) {
+    load_row<T, VEC, VPT>(xv, a.x + (b * a.seq + n0) * a.dim, nvec);
+    load_row<T, VEC, VPT>(dyv, a.dy + (b * a.seq + n0) * a.dim, nvec);
+  }
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t row = b * a.seq + n;
+    Vec<T, VEC> x_next[VPT], dy_next[VPT];
+    if (n + 1 < n1) {
+      load_row<T, VEC, VPT>(x_next, a.x + (row + 1) * a.dim, nvec);
+      load_row<T, VEC, VPT>(dy_next, a.dy + (row + 1) * a.dim, nvec);
+    }
     const float mu = a.mean[row], rs = a.rstd[row];
     const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
-    Vec<T, VEC> xv[VPT];
-    float dxhat[VPT][VEC];
     float sums[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
       if (c >= nvec) continue;
-      xv[i] = load_vec<T, VEC>(a.x + row * a.dim + c * VEC);
-      const Vec<T, VEC> dyv = load_vec<T, VEC>(a.dy + row * a.dim + c * VEC);
       const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
       Vec<float, VEC> w, bi;
       if (weight) w = load_vec<float, VEC>(weight + c * VEC);
       if (bias) bi = load_vec<float, VEC>(bias + c * VEC);
       Vec<M, VEC> dshift_out, dscale_out;
+      Vec<float, VEC> s1, s2;
+      if (a.partial != nullptr) {
+        s1 = load_vec<float, VEC>(acc1 + c * VEC);
+        s2 = load_vec<float, VEC>(acc2 + c * VEC);
+      }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
-        const float dyf = static_cast<float>(dyv.v[k]);
+        const float dyf = static_cast<float>(dyv[i].v[k]);
         const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
-        dxhat[i][k] = weight ? dz * w.v[k] : dz;
-        sums[0] += dxhat[i][k];
-        sums[1] += dxhat[i][k] * xh;
+        const float dxh = weight ? dz * w.v[k] : dz;
+        sums[0] += dxh;
+        sums[1] += dxh * xh;
         if (per_sample_sums) {
-          acc1[i][k] += dyf;
-          acc2[i][k] += dyf * xh;
+          s1.v[k] += dyf;
+          s2.v[k] += dyf * xh;
         } else if (param_sums) {
-          acc1[i][k] += dz;
-          acc2[i][k] += dz * xh;
+          s1.v[k] += dz;
+          s2.v[k] += dz * xh;
         }
         if (per_token) {
           float z = weight ? xh * w.v[k] : xh;
@@ -226,6 +264,10 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T,
           dshift_out.v[k] = static_cast<M>(dyf);
           dscale_out.v[k] = static_cast<M>(dyf * z);
         }
+      }
+      if (a.partial != nullptr) {
+        store_vec<float, VEC>(acc1 + c * VEC, s1);
+        store_vec<float, VEC>(acc2 + c * VEC, s2);
       }
       if (per_token) {
         store_vec<M, VEC>(a.dshift_tok + row * a.dim + c * VEC, dshift_out);
@@ -238,13 +280,23 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T,
     for (int i = 0; i < VPT; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
       if (c >= nvec) continue;
+      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);  // L1 hit
+      Vec<float, VEC> w;
+      if (weight) w = load_vec<float, VEC>(weight + c * VEC);
       Vec<T, VEC> out;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
-        out.v[k] = static_cast<T>(rs * (dxhat[i][k] - mean_dxhat - xh * mean_dxhat_xhat));
+        const float dz = static_cast<float>(dyv[i].v[k]) * (1.f + static_cast<float>(sc.v[k]));
+        const float dxh = weight ? dz * w.v[k] : dz;
+        out.v[k] = static_cast<T>(rs * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
       }
       store_vec<T, VEC>(a.dx + row * a.dim + c * VEC, out);
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      xv[i] = x_next[i];
+      dyv[i] = dy_next[i];
     }
   }
   if (a.partial == nullptr) return;
@@ -255,9 +307,8 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_bwd_fused_kernel(BwdArgs<T,
     if (c >= nvec) continue;
 #pragma unroll
     for (int k0 = 0; k0 < VEC; k0 += 4) {
-      store_vec<float, 4>(part + c * VEC + k0, {acc1[i][k0], acc1[i][k0 + 1], acc1[i][k0 + 2], acc1[i][k0 + 3]});
-      store_vec<float, 4>(part + a.dim + c * VEC + k0,
-                          {acc2[i][k0], acc2[i][k0 + 1], acc2[i][k0 + 2], acc2[i][k0 + 3]});
+      store_vec<float, 4>(part + c * VEC + k0, load_vec<float, 4>(acc1 + c * VEC + k0));
+      store_vec<float, 4>(part + a.dim + c * VEC + k0, load_vec<float, 4>(acc2 + c * VEC + k0));
     }
   }
 }
@@ -335,6 +386,7 @@ __global__ void adaln_bwd_finish_kernel(const float* __restrict__ partial, const
   for (int b = 0; b < batch; ++b) {
     float s1 = 0.f, s2 = 0.f;
     if (d < dim) {
+#pragma unroll 4
       for (int t = ty; t < tiles; t += kFinishRows) {
         const float* p = partial + (static_cast<int64_t>(b) * tiles + t) * 2 * dim + d;
         s1 += p[0];

@@ -93,9 +93,9 @@ bool all_vectorizable(std::initializer_list<const at::Tensor*> row_tensors,
 
 // Blocks of `kernel` that fit on the whole GPU at once (one wave).
 template <typename Kernel>
-int64_t resident_blocks(Kernel kernel, int threads) {
+int64_t resident_blocks(Kernel kernel, int threads, size_t dynamic_smem = 0) {
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
   return std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 
@@ -123,21 +123,20 @@ std::vector<at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& sh
   dispatch_dtypes(x.scalar_type(), shift.scalar_type(), [&](auto t_tag, auto m_tag) {
     using T = decltype(t_tag);
     using M = decltype(m_tag);
-    FwdArgs<T, M> a{x.data_ptr<T>(),
-                    shift.data_ptr<M>(),
-                    scale.data_ptr<M>(),
-                    opt_ptr(weight),
-                    opt_ptr(bias),
-                    y.data_ptr<T>(),
-                    mean.data_ptr<float>(),
-                    rstd.data_ptr<float>(),
-                    seq,
-                    static_cast<int>(dim),
-                    0,
-                    0,
-                    0,
-                    0,
-                    static_cast<float>(eps)};
+    // Named fields, not positional init: a reordered struct must not silently shift arguments.
+    FwdArgs<T, M> a{};
+    a.x = x.data_ptr<T>();
+    a.shift = shift.data_ptr<M>();
+    a.scale = scale.data_ptr<M>();
+    a.weight = opt_ptr(weight);
+    a.bias = opt_ptr(bias);
+    a.y = y.data_ptr<T>();
+    a.mean = mean.data_ptr<float>();
+    a.rstd = rstd.data_ptr<float>();
+    a.rows = rows;
+    a.seq = seq;
+    a.dim = static_cast<int>(dim);
+    a.eps = static_cast<float>(eps);
     std::tie(a.shift_sb, a.shift_sn) = mod_strides(shift);
     std::tie(a.scale_sb, a.scale_sn) = mod_strides(scale);
     const LaunchConfig cfg = choose_config<T>(dim, all_vectorizable<T, M>({&x, &y, &shift, &scale}, {&weight, &bias}));
@@ -192,24 +191,21 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
     using M = decltype(m_tag);
     const LaunchConfig cfg =
         choose_config<T>(dim, all_vectorizable<T, M>({&x, &dy, &dx, &scale, &dshift, &dscale}, {&weight, &bias}));
-    BwdArgs<T, M> a{dy.data_ptr<T>(),
-                    x.data_ptr<T>(),
-                    scale.data_ptr<M>(),
-                    opt_ptr(weight),
-                    opt_ptr(bias),
-                    mean.data_ptr<float>(),
-                    rstd.data_ptr<float>(),
-                    dx.data_ptr<T>(),
-                    per_token ? dshift.data_ptr<M>() : nullptr,
-                    per_token ? dscale.data_ptr<M>() : nullptr,
-                    nullptr,
-                    seq,
-                    static_cast<int>(dim),
-                    0,
-                    0,
-                    0,
-                    0,
-                    per_token};
+    BwdArgs<T, M> a{};
+    a.dy = dy.data_ptr<T>();
+    a.x = x.data_ptr<T>();
+    a.scale = scale.data_ptr<M>();
+    a.weight = opt_ptr(weight);
+    a.bias = opt_ptr(bias);
+    a.mean = mean.data_ptr<float>();
+    a.rstd = rstd.data_ptr<float>();
+    a.dx = dx.data_ptr<T>();
+    a.dshift_tok = per_token ? dshift.data_ptr<M>() : nullptr;
+    a.dscale_tok = per_token ? dscale.data_ptr<M>() : nullptr;
+    a.partial = nullptr;  // set by make_tiles
+    a.seq = seq;
+    a.dim = static_cast<int>(dim);
+    a.per_token = per_token;
     std::tie(a.scale_sb, a.scale_sn) = mod_strides(scale);
     // Split each sample's rows into tiles so that all blocks together form about one resident
     // wave: enough to hide latency, and the fp32 partials (B, tiles, 2, D) stay small next to
@@ -229,8 +225,14 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
         constexpr int VPT = decltype(vpt)::value;
         const auto kernel =
             (per_token || affine) ? adaln_bwd_fused_kernel<T, M, VPT, true> : adaln_bwd_fused_kernel<T, M, VPT, false>;
-        make_tiles(resident_blocks(kernel, cfg.threads));
-        kernel<<<dim3(a.tiles, batch), cfg.threads, 0, stream>>>(a);
+        // Column sums in shared memory: 2 * D fp32 (128 KB at D = 16384: above the 48 KB default).
+        const size_t smem_bytes = need_partial ? 2 * dim * sizeof(float) : 0;
+        if (smem_bytes > 48 * 1024) {
+          C10_CUDA_CHECK(
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+        }
+        make_tiles(resident_blocks(kernel, cfg.threads, smem_bytes));
+        kernel<<<dim3(a.tiles, batch), cfg.threads, smem_bytes, stream>>>(a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {

@@ -23,6 +23,11 @@ if ! python setup.py -q build_ext --build-lib "$work/lib" --build-temp "$work/tm
     trap - EXIT
     exit 1
 fi
+# Our sources must compile warning-free (a narrowing warning once hid a mis-ordered argument).
+if grep -E "csrc/adaln[a-z_]*\.(cu|cuh|cpp|h)[:(].*warning" "$work/build.log" >&2; then
+    echo "check_cuda_build: FAILED, compiler warnings in csrc/ (above)" >&2
+    exit 1
+fi
 so="$(find "$work/lib" -name '_C*.so' | head -1)"
 [[ -n "$so" ]] || { echo "check_cuda_build: build finished but produced no _C*.so" >&2; exit 1; }
 # Import the built module by path: proves every symbol resolves against this torch.

@@ -1,6 +1,7 @@
 """Sample format, decoding/validation, index and the make-shards / index CLI."""
 import io
 import json
+from collections import OrderedDict
 import math
 import pickle
 import tarfile
@@ -165,7 +166,7 @@ def test_index_round_trip_and_bad_samples(tmp_path):
     assert count == len(good) + len(config_only)
     assert sorted(b["reason"] for b in bad) == sorted(r for n, _, r in cases if n not in config_only)
     rows = read_index(tmp_path / "index.jsonl")
-    fds = {}
+    fds = OrderedDict()
     for row in rows:
         if row["key"] not in good:
             continue
@@ -173,6 +174,22 @@ def test_index_round_trip_and_bad_samples(tmp_path):
         assert row["latent_shape"] == list(latent.shape[1:]) and row["tokens"] == tokens_ref(*latent.shape[1:])
         out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
         np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
+
+
+def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):
+    import lightning_adaptiveload.data.index as index_mod
+    monkeypatch.setattr(index_mod, "MAX_OPEN_SHARDS", 2)
+    rng = np.random.default_rng(8)
+    good = {}
+    for i in range(5):
+        good.update(write_mixed_shard(tmp_path / f"s{i}.tar", rng, n=3))
+    build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)
+    fds = OrderedDict()
+    for row in read_index(tmp_path / "index.jsonl") * 2:
+        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
+        np.testing.assert_array_equal(out["latent"].float().numpy(), good[row["key"]][0].astype(np.float32))
+        assert len(fds) <= 2
+    assert len(set(fds.values())) == len(fds)
 
 
 def test_truncated_tar_keeps_samples_before_the_cut(tmp_path):
@@ -223,7 +240,7 @@ def test_synthetic_shards_follow_the_mix(tmp_path):
     frac = shapes.count((1, 8, 8)) / 300
     assert abs(frac - 0.7) < 4 * math.sqrt(0.21 / 300)  # binomial, 4 sigma
     assert set(shapes) <= {(1, 8, 8), (1, 4, 8), shape_for_tokens(200, SPEC)}
-    out = decode_sample(rows[0]["key"], read_members({}, rows[0]["shard"], rows[0]["members"]), **{**DECODE, "text_dim": 8})
+    out = decode_sample(rows[0]["key"], read_members(OrderedDict(), rows[0]["shard"], rows[0]["members"]), **{**DECODE, "text_dim": 8})
     assert 0.7 < out["latent"].float().std() < 1.3  # N(0, 1) data, not zeros
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import lightning as L
@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
-from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config, decode_meta,
-                                                decode_sample, inspect_sample, mix_latent_shapes, resolve_shards, shape_for_tokens,
-                                                write_synthetic_shards, write_text)
+from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config,
+                                                decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
+                                                resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.stream import StreamingLatentDataset
 from lightning_adaptiveload.policies import POLICIES, batch_sizes
 from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
@@ -64,7 +64,7 @@ class IndexedShardDataset(Dataset):
     def __init__(self, rows: list[dict], decode_kwargs: dict):
         self.rows = rows
         self.decode_kwargs = decode_kwargs
-        self._fds: dict[str, int] = {}  # opened lazily, so each DataLoader worker has its own
+        self._fds: OrderedDict[str, int] = OrderedDict()  # opened lazily: each DataLoader worker has its own
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -264,7 +264,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Resolve shards (clear error if missing), read the index and check every row against
-        this configuration (failures counted in `skipped`), build the shape table."""
+        this configuration (failures counted in `skipped`), build the shape table. Runs once."""
+        if self._key_shape:
+            return
         self.shard_paths = resolve_shards(self.shards)
         if self.index_path:
             self._setup_indexed()

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import tarfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 from tqdm import tqdm
@@ -20,6 +20,7 @@ from tqdm import tqdm
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample
 from lightning_adaptiveload.shapes import TokenSpec
 
+MAX_OPEN_SHARDS = 64  # file descriptors a process keeps open for random access
 _MEMBER_NAME = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset's key/suffix split
 
 
@@ -118,15 +119,19 @@ def read_index(path: str | Path) -> list[dict]:
     return rows
 
 
-def read_members(fd_cache: dict[str, int], shard: str, members: dict[str, tuple[int, int]]) -> dict[str, bytes]:
-    """Member bytes of one sample by positioned reads; `fd_cache` maps shard path -> open file
-    descriptor (kept per process: a DataLoader worker opens its own)."""
-    fd = fd_cache.get(shard)
+def read_members(fd_cache: OrderedDict, shard: str, members: dict[str, tuple[int, int]]) -> dict[str, bytes]:
+    """Member bytes of one sample by positioned reads. `fd_cache` (shard path -> open file
+    descriptor, most recently used last) is kept per process, a DataLoader worker opens its own;
+    it holds at most MAX_OPEN_SHARDS descriptors, so thousands of shards stay under ulimit -n."""
+    fd = fd_cache.pop(shard, None)
     if fd is None:
         try:
-            fd = fd_cache[shard] = os.open(shard, os.O_RDONLY)
+            fd = os.open(shard, os.O_RDONLY)
         except OSError as e:
             raise BadSample("read_error", f"cannot open shard {shard}: {e}") from None
+        if len(fd_cache) >= MAX_OPEN_SHARDS:
+            os.close(fd_cache.popitem(last=False)[1])
+    fd_cache[shard] = fd
     files = {}
     for suffix, (offset, size) in members.items():
         data = os.pread(fd, size, offset)

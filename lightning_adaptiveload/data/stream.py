@@ -42,8 +42,8 @@ def shard_order(shards: list[str], *, rank: int, world_size: int, worker: int, n
 class StreamingLatentDataset(IterableDataset):
     """Batches (already collated by `collate`) of one rank; `len()` is steps_per_epoch.
 
-    skip counts of this worker since its previous batch travel in each batch (see collate);
-    `resume_steps` (set by the loader after a checkpoint) shortens the current epoch."""
+    Skip counts of this worker since its previous batch travel in each batch ("skipped");
+    `steps_done` (set by the loader from a checkpoint) shortens the current epoch."""
 
     def __init__(self, shards: list[str], plan: StreamPlan, *, keys: dict[tuple, int], decode_kwargs: dict, collate,
                  steps_per_epoch: int, rank: int, world_size: int, seed: int, shuffle_buffer: int,

@@ -9,7 +9,8 @@ Text: the stand-in embedding (text_len x text_dim), as for a dataset without .te
     python benchmarks/datamodule_throughput.py                      # defaults below
     python benchmarks/datamodule_throughput.py --latent-scale 1.0 --n 400 --workers 0 1 2
 
-Prints a table and writes benchmarks/results/datamodule_throughput.json.
+Each configuration runs --repeats times (median reported, all runs in the JSON). Prints a table
+and writes benchmarks/results/datamodule_throughput.json.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
 RESULTS = Path(__file__).parent / "results"
 NOTES = ("workers=0 decodes in the main process with all intra-op threads (2 here); each DataLoader worker "
          "runs with 1 thread, so per-worker rates are per core. MB/s counts latent bytes as stored (float16). "
-         "Times include worker start-up.")
+         "Times include worker start-up. Each row is the median of --repeats runs by tokens/s.")
 
 
 def cpu_name() -> str:
@@ -91,6 +92,7 @@ def main() -> int:
     parser.add_argument("--m-mem", type=int, default=32768, help="tokens per batch (token_equal)")
     parser.add_argument("--batches", type=int, default=40, help="batches timed per configuration")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
     parser.add_argument("--text-len", type=int, default=512)
     parser.add_argument("--text-dim", type=int, default=4096)
     parser.add_argument("--shuffle-buffer", type=int, default=64)
@@ -109,8 +111,12 @@ def main() -> int:
     rows = []
     for path in ("map", "stream"):
         for workers in args.workers:
-            rows.append(run_one(root, path, workers, args))
-            r = rows[-1]
+            runs = [run_one(root, path, workers, args) for _ in range(args.repeats)]
+            # the median run by tokens/s, with the spread of all runs (a shared machine is noisy)
+            r = sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
+            r["tokens_per_s_all_runs"] = [x["tokens_per_s"] for x in runs]
+            r["samples_per_s_all_runs"] = [x["samples_per_s"] for x in runs]
+            rows.append(r)
             print(f"{path:6s} workers={workers}: {r['samples_per_s']:.1f} samples/s, {r['tokens_per_s']:.0f} tokens/s",
                   file=sys.stderr)
 

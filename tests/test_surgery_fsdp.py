@@ -39,6 +39,7 @@ def _run(fused: bool, steps: int, layers: int) -> tuple[list[float], dict]:
     import torch.nn.functional as F
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
     from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from lightning_adaptiveload.callbacks import FusedAdaLNSurgery
@@ -82,7 +83,8 @@ def _run(fused: bool, steps: int, layers: int) -> tuple[list[float], dict]:
         "fused_blocks": sum(getattr(b.__dict__.get("forward"), "__func__", None) is wan_block_forward for b in blocks),
         "fsdp_wrapped_blocks": sum(isinstance(m, FullyShardedDataParallel) and isinstance(inner(m.module), WanTransformerBlock)
                                    for m in trainer.strategy.model.modules()),
-        "checkpointed_blocks": sum(hasattr(m, "_checkpoint_wrapped_module") for m in trainer.strategy.model.modules()),
+        "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) and isinstance(inner(m), WanTransformerBlock)
+                                   for m in trainer.strategy.model.modules()),
         "report": surgery.report.to_dict() if fused else None,
     }
     return module.losses, info

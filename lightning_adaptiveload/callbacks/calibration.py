@@ -177,12 +177,14 @@ class CostModelCalibration(Callback):
             raise RuntimeError(f"CostModelCalibration: {error}")
         datamodule.set_cost_model(self.cost_model, self.measured_m_mem)
 
+        # trainer.log_dir is a collective (a broadcast): resolve it on every rank, not in rank 0 alone.
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
             doc = self._document(trainer, key, time.perf_counter() - start)
             if not self.from_cache:
                 cache_path.parent.mkdir(parents=True, exist_ok=True)
                 cache_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-            self._save_outputs(trainer, doc, feasible)
+            self._save_outputs(log_dir, doc, feasible)
             self._report(trainer, doc, max(seq_lens))
             if callable(getattr(datamodule, "bucket_table", None)):
                 rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
@@ -355,8 +357,7 @@ class CostModelCalibration(Callback):
             "points": self.points,
         }
 
-    def _save_outputs(self, trainer: Trainer, doc: dict, feasible: list[dict]) -> None:
-        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+    def _save_outputs(self, log_dir: Path, doc: dict, feasible: list[dict]) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         (log_dir / "calibration.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         self.cost_model.to_json(log_dir / "calibration_cost_model.json")

@@ -44,7 +44,8 @@ class FusedAdaLNSurgery(Callback):
         if self.report is None or report.num_replaced:  # keep the first report across fit/validate stages
             self.report = report
         rank_zero_info(str(report))
-        if trainer.is_global_zero and trainer.loggers and trainer.log_dir is not None:
-            os.makedirs(trainer.log_dir, exist_ok=True)
-            with open(os.path.join(trainer.log_dir, "fused_adaln_surgery.json"), "w") as f:
+        log_dir = trainer.log_dir if trainer.loggers else None  # a collective: call it on every rank
+        if trainer.is_global_zero and log_dir is not None:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, "fused_adaln_surgery.json"), "w") as f:
                 json.dump(report.to_dict(), f, indent=1)

@@ -19,7 +19,7 @@ fi
 status=0
 python3 -c "import torch, lightning_adaptiveload.ops as o; print(torch.cuda.get_device_name(0), torch.__version__); print(o.backend())" \
   2>&1 | tee "$OUT/backend.log" || status=1
-python3 -m pytest -q -p no:cacheprovider tests/test_surgery_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+python3 -m pytest -v -rA -p no:cacheprovider tests/test_surgery_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   torchrun --standalone --nproc_per_node 2 tests/test_surgery_fsdp.py --out "$OUT" 2>&1 | tee "$OUT/fsdp.log" || status=1
 else

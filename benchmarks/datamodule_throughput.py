@@ -125,7 +125,8 @@ def main() -> int:
              f"{'samples/s/w':>11s} {'tokens/s/w':>10s} {'1st batch s':>11s}"
     print(header)
     for r in rows:
-        print(f"{r['path']:6s} {r['workers']:7d} {r['batches']:7d} {r['samples_per_s']:10.1f} {r['tokens_per_s']:10.0f} "
+        print(f"{r['path']:6s} {r['workers']:7d} {r['batches']:7d} {r['samples_per_s']:10.1f} "
+              f"{r['tokens_per_s']:10.0f} "
               f"{r['latent_mb_per_s']:8.1f} {r['samples_per_s_per_worker']:11.1f} {r['tokens_per_s_per_worker']:10.0f} "
               f"{r['first_batch_s']:11.2f}")
     result = {
@@ -135,8 +136,8 @@ def main() -> int:
         "device": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
                    "platform": platform.platform(), "note": "2-core CI-class VM shared with other jobs"},
         "notes": NOTES,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-                     "webdataset": webdataset.__version__, "numpy": np.__version__},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "lightning": lightning.__version__, "webdataset": webdataset.__version__, "numpy": np.__version__},
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "shard_bytes": shard_bytes},
         "rows": rows,
     }

@@ -72,7 +72,8 @@ class IndexedShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
         try:
-            return decode_sample(row["key"], read_members(self._fds, row["shard"], row["members"]), **self.decode_kwargs)
+            files = read_members(self._fds, row["shard"], row["members"])
+            return decode_sample(row["key"], files, **self.decode_kwargs)
         except BadSample as e:
             return {"key": row["key"], "skip": e.reason, "detail": str(e)}
 
@@ -312,8 +313,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.dataset = IndexedShardDataset(kept, self._decode_kwargs())
 
     def _setup_streaming(self) -> None:
-        if isinstance(self.steps_per_epoch, bool) or not isinstance(self.steps_per_epoch, int) or self.steps_per_epoch < 1:
-            raise ValueError(f"the streaming path (no index) needs steps_per_epoch >= 1, got {self.steps_per_epoch!r}")
+        steps = self.steps_per_epoch
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"the streaming path (no index) needs steps_per_epoch >= 1, got {steps!r}")
         mix_file = self.shapes or self.synthesize_shapes
         probed, probe_skipped = self._probe(1 if mix_file else PROBE_SAMPLES)
         if not probed:
@@ -462,7 +464,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return self.build_train_loader()
-        if self.dataset is not None and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+        map_style = self.dataset is not None
+        if map_style and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("AdaptiveLoadDataModule plans batches for every rank itself: create the Trainer with "
                              "use_distributed_sampler=False")
         return self.build_train_loader(trainer.world_size, trainer.global_rank,

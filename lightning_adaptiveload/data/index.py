@@ -110,7 +110,8 @@ def read_index(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{line_no}: expected a JSON object")
             for field, kind in _ROW_FIELDS.items():
                 if not isinstance(row.get(field), kind):
-                    raise ValueError(f"{path}:{line_no}: field {field!r} must be a {kind.__name__}, got {row.get(field)!r}")
+                    raise ValueError(f"{path}:{line_no}: field {field!r} must be a {kind.__name__}, "
+                                     f"got {row.get(field)!r}")
             if len(row["latent_shape"]) != 3:
                 raise ValueError(f"{path}:{line_no}: field 'latent_shape' must be [T, H, W]")
             row["shard"] = str(base / row["shard"])
@@ -136,7 +137,8 @@ def read_members(fd_cache: OrderedDict, shard: str, members: dict[str, tuple[int
     for suffix, (offset, size) in members.items():
         data = os.pread(fd, size, offset)
         if len(data) != size:
-            raise BadSample("read_error", f"{shard}: member {suffix} at byte {offset} is short ({len(data)} of {size} bytes)")
+            raise BadSample("read_error", f"{shard}: member {suffix} at byte {offset} is short "
+                                          f"({len(data)} of {size} bytes)")
         files[suffix] = data
     return files
 

@@ -159,7 +159,8 @@ def _decode_latent(files: dict[str, bytes], key: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise BadSample("bad_latent", f"{key}.latent.pth holds a {type(tensor).__name__}, not a tensor")
         if tensor.dtype not in PTH_DTYPES:
-            raise BadSample("bad_dtype", f"{key}.latent.pth has dtype {tensor.dtype}, expected float16/bfloat16/float32")
+            raise BadSample("bad_dtype",
+                            f"{key}.latent.pth has dtype {tensor.dtype}, expected float16/bfloat16/float32")
         return tensor
     raise BadSample("missing_latent", f"sample {key!r} has no .latent.npy or .latent.pth (members: {sorted(files)})")
 

@@ -1,0 +1,275 @@
+"""End to end under Lightning FSDP: token_equal vs dual_constraint vs balanced (+ fused AdaLN).
+
+One configuration per process (Lightning's launcher re-runs this script for every rank):
+
+    python benchmarks/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 480]
+    python benchmarks/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e_2xh200.json
+
+`run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
+`--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
+shards (drawn from the shipped reference mix, same seed for every configuration) with
+`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (one calibration, cached
+and reused by every configuration) and LoadBalanceMonitor, and writes `<workdir>/<config>.json`.
+`report` gathers those files, simulates the same policies at 8/16/64 ranks with the calibrated
+cost model, prints a table, and writes the JSON and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import FSDPStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from the repository root
+from examples.video_dit.model import DiTBlock  # noqa: E402
+from examples.video_dit.module import VideoDiTModule  # noqa: E402
+from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.cost_model import CostModel  # noqa: E402
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.shapes import read_shapes_jsonl  # noqa: E402
+from lightning_adaptiveload.simulate import simulate  # noqa: E402
+
+CONFIGS = {  # name -> (policy, fused AdaLN surgery)
+    "token_equal": ("token_equal", False),
+    "dual_constraint": ("dual_constraint", False),
+    "balanced": ("balanced", False),
+    "balanced_fused": ("balanced", True),
+}
+# Model and data per scale. "h200": Wan-2.1-1.3B-shaped blocks on the reference mix (the benchmark);
+# "cpu": a tiny model on tiny latents under 2-process DDP, to check this script without a GPU.
+SCALES = {
+    "h200": dict(m_mem=65536, latent_channels=16, text_len=512, text_dim=4096, latent_scale=1.0, dim=1536,
+                 heads=12, ffn=8960, freq_dim=256, batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256]),
+    "cpu": dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, latent_scale=0.125, dim=64,
+                heads=4, ffn=128, freq_dim=64, batch_sizes=[1, 2, 4, 8, 16]),
+}
+WARMUP_STEPS = 5  # steps left out of the per-step medians
+
+
+class RunRecorder(Callback):
+    """Records what the monitor does not: epoch wall time, loss per step, peak memory per rank."""
+
+    def __init__(self):
+        self.losses, self.samples, self.seq_lens = [], [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
+        self.samples.append(int(batch["latents"].shape[0]))
+        self.seq_lens.append(int(batch["seq_len"]))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        self.epoch_s = time.perf_counter() - self._t0
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")],
+                            device=pl_module.device)
+        self.peak_gib = trainer.strategy.all_gather(peak).reshape(-1).tolist()
+        counts = torch.tensor([sum(self.samples), max(self.seq_lens, default=0)], device=pl_module.device)
+        gathered = trainer.strategy.all_gather(counts).reshape(-1, 2)
+        self.samples_all_ranks = int(gathered[:, 0].sum())
+        self.longest_seq = int(gathered[:, 1].max())
+
+
+def run(args: argparse.Namespace) -> None:
+    policy, fused = CONFIGS[args.config]
+    sc = SCALES[args.scale]
+    gpu = args.scale == "h200"
+    work = Path(args.workdir)
+    L.seed_everything(0)
+    datamodule = AdaptiveLoadDataModule(
+        shards=str(work / "shards"), index=str(work / "index.jsonl"), policy=policy, m_mem=sc["m_mem"],
+        latent_channels=sc["latent_channels"], text_len=sc["text_len"], text_dim=sc["text_dim"],
+        num_workers=6 if gpu else 0, seed=0, synthesize=args.samples, synthesize_latent_scale=sc["latent_scale"])
+    model = VideoDiTModule(in_channels=sc["latent_channels"], dim=sc["dim"], num_layers=args.layers,
+                           num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"],
+                           freq_dim=sc["freq_dim"], lr=1e-4, weight_decay=0.01)
+    calibration = CostModelCalibration(num_seq_lens=5, batch_sizes=sc["batch_sizes"], max_tokens=sc["m_mem"],
+                                       warmup=1, repeats=3, time_budget_s=90, m_mem=sc["m_mem"],
+                                       cache_path=str(work / "calibration_cache.json"))
+    monitor = LoadBalanceMonitor(window=20)
+    recorder = RunRecorder()
+    callbacks = ([FusedAdaLNSurgery(require_replacement=True)] if fused else []) + [calibration, monitor, recorder]
+    trainer = L.Trainer(
+        accelerator="gpu" if gpu else "cpu", devices=2,
+        strategy=FSDPStrategy(auto_wrap_policy={DiTBlock}) if gpu else "ddp",
+        precision="bf16-mixed" if gpu else "32-true", max_epochs=1, use_distributed_sampler=False, log_every_n_steps=5,
+        enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks,
+        logger=CSVLogger(str(work), name=args.config, version=0))
+    fit_t0 = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_s = time.perf_counter() - fit_t0
+    if trainer.global_rank != 0:
+        return
+    result = {
+        "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers,
+        "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
+        "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s,
+        "samples_consumed": recorder.samples_all_ranks, "longest_seq_trained": recorder.longest_seq,
+        "peak_mem_gib_per_rank": recorder.peak_gib,
+        "calibration": json.loads((Path(trainer.logger.log_dir) / "calibration.json").read_text()),
+        "monitor_summary": monitor.summary,
+        "losses_rank0": recorder.losses, "samples_rank0": recorder.samples,
+        "log_dir": trainer.logger.log_dir,
+        "versions": {"torch": torch.__version__, "lightning": L.__version__, "cuda": torch.version.cuda,
+                     "python": platform.python_version()},
+        "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or "cpu",
+        "gpus": torch.cuda.device_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+    }
+    (work / f"{args.config}.json").write_text(json.dumps(result, indent=1))
+    print(f"e2e {args.config}: epoch {recorder.epoch_s:.1f} s, {recorder.samples_all_ranks} samples")
+
+
+def per_step_table(log_dir: Path) -> dict[str, np.ndarray]:
+    """Per-step arrays (steps, world) from the monitor's balance_per_rank.csv."""
+    with open(log_dir / "balance_per_rank.csv") as f:
+        rows = list(csv.DictReader(f))
+    ranks = sorted({int(r["rank"]) for r in rows})
+    steps = sorted({int(float(r["step"])) for r in rows})
+    out = {k: np.zeros((len(steps), len(ranks))) for k in ("tokens", "samples", "load", "step_time_ms")}
+    s_idx = {s: i for i, s in enumerate(steps)}
+    for r in rows:
+        i, j = s_idx[int(float(r["step"]))], ranks.index(int(r["rank"]))
+        for k in out:
+            out[k][i, j] = float(r[k])
+    return out
+
+
+def summarize_run(res: dict) -> dict:
+    t = per_step_table(Path(res["log_dir"]))
+    keep = slice(WARMUP_STEPS, None)
+    step_ms = t["step_time_ms"][keep]
+    step_max_s = step_ms.max(axis=1) / 1e3
+    load = t["load"][keep]
+    load_mean = load.mean(axis=1)
+    return {
+        "config": res["config"],
+        "epoch_wall_s": res["epoch_wall_s"],
+        "samples_consumed": res["samples_consumed"],
+        "samples_per_s_epoch": res["samples_consumed"] / res["epoch_wall_s"],
+        "tokens_per_s_median": float(np.median(t["tokens"][keep].sum(axis=1) / step_max_s)),
+        "samples_per_s_median": float(np.median(t["samples"][keep].sum(axis=1) / step_max_s)),
+        "load_cv": float(np.mean(load.std(axis=1) / load_mean)),
+        "load_max_over_mean": float(np.mean(load.max(axis=1) / load_mean)),
+        "bubble_frac": float(1 - load_mean.sum() / load.max(axis=1).sum()),
+        "step_time_cv_ranks": float(np.mean(step_ms.std(axis=1) / step_ms.mean(axis=1))),
+        "step_time_cv_temporal": float(step_ms.mean(axis=1).std() / step_ms.mean()),
+        "peak_mem_gib_max": max(res["peak_mem_gib_per_rank"]),
+        "longest_seq_trained": res["longest_seq_trained"],
+        "steps": int(t["tokens"].shape[0]),
+        "calibration_s": res["calibration"]["seconds"],
+        "calibration_from_cache": res["calibration"]["from_cache"],
+    }
+
+
+def smoothed_loss_vs_samples(res: dict, grid: np.ndarray, window: int = 64) -> np.ndarray:
+    """Rank 0's loss, per-sample weighted moving average over `window` samples, at `grid` samples."""
+    per_sample = np.repeat(res["losses_rank0"], res["samples_rank0"])
+    kernel = np.ones(window) / window
+    smooth = np.convolve(per_sample, kernel, mode="valid")
+    x = np.arange(len(smooth)) + window
+    return np.interp(grid, x, smooth)
+
+
+def report(args: argparse.Namespace) -> None:
+    work = Path(args.workdir)
+    runs = {name: json.loads((work / f"{name}.json").read_text()) for name in CONFIGS if (work / f"{name}.json").exists()}
+    rows = [summarize_run(r) for r in runs.values()]
+    base = next(r for r in rows if r["config"] == "token_equal")
+    for r in rows:
+        r["throughput_vs_token_equal"] = base["epoch_wall_s"] / r["epoch_wall_s"] * r["samples_consumed"] / base["samples_consumed"]
+    cols = ["config", "epoch_wall_s", "samples_consumed", "tokens_per_s_median", "samples_per_s_median", "load_cv",
+            "load_max_over_mean", "step_time_cv_ranks", "step_time_cv_temporal", "bubble_frac", "peak_mem_gib_max",
+            "longest_seq_trained", "throughput_vs_token_equal"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+
+    # Loss congruence: smoothed loss vs samples seen, each against token_equal.
+    n = min(sum(r["samples_rank0"]) for r in runs.values())
+    grid = np.linspace(64, n, 20)
+    ref = smoothed_loss_vs_samples(runs["token_equal"], grid)
+    for r in rows:
+        cur = smoothed_loss_vs_samples(runs[r["config"]], grid)
+        r["smoothed_loss_max_rel_diff_vs_token_equal"] = float(np.max(np.abs(cur - ref) / ref))
+
+    model = CostModel.from_json(Path(runs["token_equal"]["log_dir"]) / "calibration_cost_model.json")
+    mix = read_shapes_jsonl(Path(__file__).resolve().parents[1] / "lightning_adaptiveload/data/reference_mix.jsonl")
+    m_mem = runs["token_equal"]["m_mem"]
+    simulated = [simulate(mix, model, m_mem=m_mem, world_size=w, policy=p, steps=1000, seed=0)
+                 for w in (2, 8, 16, 64) for p in ("token_equal", "dual_constraint", "balanced")]
+    doc = {"benchmark": "e2e", "runs": rows, "simulated_with_calibrated_cost_model": simulated,
+           "paper": {"throughput_8gpu_tokens_per_s": [14383, 18069], "throughput_16gpu_tokens_per_s": [30170, 38372],
+                     "compute_load_cv": [0.39, 0.189], "step_time_cv_16gpu": [0.187, 0.104]},
+           "meta": {k: runs["token_equal"][k] for k in ("versions", "device", "gpus", "date", "layers", "m_mem", "scale")},
+           "commands": [r["command"] for r in runs.values()] + ["python " + " ".join(sys.argv)]}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    for s in simulated:
+        print(f"simulated {s['policy']:>16} x{s['world_size']:<3} load CV {s['load_cv_mean']:.3f} "
+              f"tokens/s {s['predicted_tokens_per_s']:.0f}")
+    plot(runs, rows, grid, Path(args.out).with_suffix(".png"))
+
+
+def plot(runs: dict, rows: list[dict], grid: np.ndarray, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the benchmark machines
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    names = [r["config"] for r in rows]
+    axes[0].bar(names, [r["epoch_wall_s"] for r in rows])
+    axes[0].set_ylabel("wall time for the same samples (s)")
+    for name, res in runs.items():
+        t = per_step_table(Path(res["log_dir"]))
+        load = t["load"]
+        axes[1].plot(load.std(axis=1) / load.mean(axis=1), label=name)
+        axes[2].plot(grid, smoothed_loss_vs_samples(res, grid), label=name)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("predicted-load CV across ranks")
+    axes[2].set_xlabel("samples seen (rank 0)")
+    axes[2].set_ylabel("smoothed loss")
+    for ax in axes[1:]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run")
+    p_run.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    p_run.add_argument("--workdir", default="runs/e2e")
+    p_run.add_argument("--layers", type=int, default=8)
+    p_run.add_argument("--scale", choices=sorted(SCALES), default="h200")
+    p_run.add_argument("--samples", type=int, default=480)
+    p_rep = sub.add_parser("report")
+    p_rep.add_argument("--workdir", default="runs/e2e")
+    p_rep.add_argument("--out", default="benchmarks/results/e2e_2xh200.json")
+    args = parser.parse_args()
+    run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -183,6 +183,14 @@ def test_set_cost_model_rebuilds_bucket_table(tmp_path):
     assert sampler.cost_model is model and sampler.m_mem == 128
 
 
+def test_set_cost_model_warns_when_m_mem_drops_below_buckets(tmp_path, caplog):
+    write_dataset(tmp_path, n=40)
+    dm = make_dm(tmp_path, m_mem=256)
+    with caplog.at_level("WARNING"):
+        dm.set_cost_model(None, m_mem=64)  # (5, 8, 8) = 80 tokens > 64
+    assert "m_mem is now 64 tokens but buckets up to 80" in caplog.text
+
+
 def test_setup_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing or unreadable"):
         make_dm(tmp_path, shards=str(tmp_path / "nope-{0..3}.tar"))

@@ -399,6 +399,11 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.cost_model = cost_model
         if m_mem is not None:
             self.m_mem = int(m_mem)
+        if self._key_shape and max(self._key_shape) > self.m_mem:
+            # Samples were admitted at setup under max_seq_len; the new memory budget is lower.
+            log.warning("adaptiveload data: m_mem is now %d tokens but buckets up to %d tokens are scheduled "
+                        "(max_seq_len %d); they run at batch size 1 and may not fit in memory. Set max_seq_len "
+                        "<= m_mem to drop or resize them.", self.m_mem, max(self._key_shape), self.max_seq_len)
 
     # -- batches --
 

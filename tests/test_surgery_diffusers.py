@@ -177,6 +177,12 @@ def test_sd3_fp32_and_bf16():
     check_bf16_noise(tiny_sd3(), sd3_inputs(), expected_replaced=7)
 
 
+def test_sd3_chunked_feed_forward_fp32():
+    model = tiny_sd3()
+    model.enable_forward_chunking(chunk_size=2, dim=1)
+    check_fp32(model, sd3_inputs(), expected_replaced=7)
+
+
 def test_sd3_report_state_dict_idempotence():
     model = tiny_sd3()
     check_state_dict_round_trip(model)
@@ -205,6 +211,9 @@ def test_ada_layer_norm_variants():
     # norm_type="fp32_layer_norm": FP32LayerNorm with its default eps 1e-5
     zero_fp32 = _randomize(normalization.AdaLayerNormZero(16, norm_type="fp32_layer_norm"))
     check_fp32(zero_fp32, (x, None, None, None, emb), expected_replaced=1)
+    # DiT-in-diffusers: timestep + class-label embedding inside the module
+    labelled = _randomize(normalization.AdaLayerNormZero(16, num_embeddings=10))
+    check_fp32(labelled, (x, torch.tensor([3, 700]), torch.tensor([1, 7]), torch.float32), expected_replaced=1)
     # RMSNorm: not a LayerNorm, reported and left alone
     rms = normalization.AdaLayerNormContinuous(16, 16, elementwise_affine=False, eps=1e-6, norm_type="rms_norm")
     report = apply_fused_adaln(rms)

@@ -104,21 +104,23 @@ def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
 
 
 def test_config_checks_at_setup_are_counted(tmp_path, caplog):
-    write_dataset(tmp_path, n=40)
-    with caplog.at_level("WARNING"):
-        dm = make_dm(tmp_path, max_seq_len=100)  # (5, 8, 8) = 80 tokens fits, nothing over 100
-    assert dict(dm.skipped) == {}
+    written = write_dataset(tmp_path, n=40)
+    tokens = {k: tokens_ref(*lat.shape[1:]) for k, (lat, _) in written.items()}
+    assert dict(make_dm(tmp_path, max_seq_len=100).skipped) == {}  # longest is (5, 8, 8) = 80 tokens
     with caplog.at_level("WARNING"):
         dm = make_dm(tmp_path, max_seq_len=30, m_mem=64)
-    n_big = sum(1 for r in dm.bucket_table())  # buckets left
-    assert dm.skipped["over_max_seq_len"] > 0 and "over_max_seq_len" in caplog.text
-    assert max(dm.bucket_seq_lens()) <= 30 + 2 and n_big == 5
+    assert dm.skipped == {"over_max_seq_len": sum(t > 30 for t in tokens.values())} and "over_max_seq_len" in caplog.text
+    assert sum(r["samples"] for r in dm.bucket_table()) == sum(t <= 30 for t in tokens.values())
+    assert {r["latent_shape"] for r in dm.bucket_table()} == {s for s in SHAPES if tokens_ref(*s) <= 30}
     dm = make_dm(tmp_path, text_dim=7)  # samples with an 8-wide text embedding no longer fit
-    assert dm.skipped["bad_text"] == 20
+    assert dm.skipped == {"bad_text": sum(t is not None for _, t in written.values())}
     resized = make_dm(tmp_path, max_seq_len=30, oversize="resize")
     assert "over_max_seq_len" not in resized.skipped
+    seen = 0
     for b in epoch_batches(resized):
         assert b["seq_len"] <= 30 and b["latents"].shape[2:] == b["latent_shape"]
+        seen += sum(tokens[k] > 30 for k in b["keys"])
+    assert seen > 0  # oversized samples were trained on, resized
 
 
 def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):

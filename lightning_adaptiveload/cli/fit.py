@@ -25,16 +25,15 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())
     from lightning.pytorch.cli import LightningCLI
 
-    # LightningCLI warns when given `args` while sys.argv has arguments too; ours are in `args`.
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        LightningCLI(
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=["fit", *args.cli_args],
-            parser_kwargs={"prog": "adaptiveload"},
-            save_config_kwargs={"overwrite": True},
-        )
-    finally:
-        sys.argv = argv
+    cli_args = ["fit", *args.cli_args]
+    # From the console, sys.argv[1:] is already `fit ...`: let LightningCLI read it, because
+    # multi-GPU strategies start their other ranks by re-running sys.argv. Programmatic calls
+    # (main([...]) with another sys.argv) pass the arguments explicitly.
+    LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=None if sys.argv[1:] == cli_args else cli_args,
+        parser_kwargs={"prog": "adaptiveload"},
+        save_config_kwargs={"overwrite": True},
+    )
     return 0

@@ -197,7 +197,8 @@ class CostModel:
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v:.4g}" for k, v in self.params.items())
-        return f"CostModel(form={self.form!r}, {params}, p={self.p:.4g})"
+        power_p = "" if self.form == "power" else f", p={self.p:.4g}"  # power's p is in params
+        return f"CostModel(form={self.form!r}, {params}{power_p})"
 
     @classmethod
     def fit(cls, batch_sizes, seq_lens, times_ms, form: str = "auto") -> "CostModel":

@@ -215,7 +215,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  vae_stride_t: int = 4, vae_stride_s: int = 8, patch: tuple[int, int, int] = (1, 2, 2),
                  extra_tokens: int = 0, latent_channels: int = 16, text_len: int = 512, text_dim: int = 4096,
                  num_workers: int = 2, seed: int = 0, steps_per_epoch: int | None = None,
-                 shuffle_buffer: int = 256, max_buffer_samples: int = 4096, max_buffer_bytes: int = 4 << 30,
+                 shuffle_buffer: int = 64, max_buffer_samples: int = 4096, max_buffer_bytes: int = 1 << 30,
                  shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0):
         super().__init__()

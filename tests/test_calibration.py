@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.video_dit.module import VideoDiTModule
-from lightning_adaptiveload.callbacks.calibration import CostModelCalibration, calibration_grid, seq_len_grid
+from lightning_adaptiveload.callbacks.calibration import (CostModelCalibration, calibration_grid, predicted_peak_bytes,
+                                                          seq_len_grid)
 from lightning_adaptiveload.cost_model import CostModel
 
 TINY = dict(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
@@ -123,6 +124,18 @@ def test_grid_spans_shortest_and_longest_bucket_ordered_by_tokens():
     assert (32, 256) not in grid and (4, 256) in grid and (1, 256) in grid
     with pytest.raises(ValueError, match="bucket_seq_lens"):
         seq_len_grid(np.array([], dtype=np.int64), 3)
+
+
+def test_predicted_peak_extrapolates_linearly_in_batch_size_per_seq_len():
+    points = [{"batch_size": 1, "seq_len": 64, "status": "ok", "peak_bytes": 1000},
+              {"batch_size": 2, "seq_len": 64, "status": "ok", "peak_bytes": 1300},
+              {"batch_size": 4, "seq_len": 64, "status": "ok", "peak_bytes": 1900},
+              {"batch_size": 1, "seq_len": 256, "status": "ok", "peak_bytes": 5000},
+              {"batch_size": 8, "seq_len": 64, "status": "oom"}]
+    # through (2, 1300) and (4, 1900): 300 bytes per sample
+    assert predicted_peak_bytes(points, 8, 64) == pytest.approx(1900 + 300 * 4)
+    assert predicted_peak_bytes(points, 2, 256) == 0.0  # one point at S=256: no extrapolation
+    assert predicted_peak_bytes(points, 2, 16) == 0.0
 
 
 def test_calibration_fits_updates_datamodule_and_leaves_no_trace(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from examples.video_dit.model import (DiTBlock, DiTConfig, VideoDiT, apply_rope, flow_matching_loss, rope_3d,
                                       unpatchify)
+from examples.video_dit.module import VideoDiTModule
 
 TINY = DiTConfig(in_channels=4, out_channels=4, dim=48, num_layers=2, num_heads=4, ffn_dim=96, text_dim=24,
                  freq_dim=32, patch=(1, 2, 2))
@@ -148,3 +149,30 @@ def test_config_rejects_bad_shapes():
         DiTConfig(dim=50, num_heads=4)
     with pytest.raises(ValueError, match="num_layers"):
         DiTConfig(num_layers=0)
+
+
+def test_module_training_step_is_the_flow_matching_loss_of_its_batch():
+    torch.manual_seed(0)
+    module = VideoDiTModule(in_channels=4, dim=48, num_layers=1, num_heads=4, ffn_dim=96, text_dim=24, freq_dim=32)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # no Trainer attached
+    latents, _, text = _inputs(seed=6)
+    torch.manual_seed(7)
+    loss = module.training_step({"latents": latents, "text": text, "seq_len": 36}, 0)
+    torch.manual_seed(7)  # the step draws t, then the noise, from the global generator
+    t = torch.rand(latents.shape[0])
+    expected = flow_matching_loss(module.dit, latents, text, t, torch.randn_like(latents))
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)  # one process: no rescaling
+    torch.testing.assert_close(logged["train/loss"], expected.detach())
+    opt = module.configure_optimizers()
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == module.hparams.lr
+
+
+def test_module_can_build_the_network_in_configure_model():
+    module = VideoDiTModule(in_channels=4, dim=48, num_layers=1, num_heads=4, ffn_dim=96, text_dim=24,
+                            freq_dim=32, build_in_configure_model=True)
+    assert module.dit is None and not list(module.parameters())
+    module.configure_model()
+    dit = module.dit
+    module.configure_model()  # Lightning may call it again: keep the network
+    assert module.dit is dit and isinstance(dit, VideoDiT) and len(dit.blocks) == 1

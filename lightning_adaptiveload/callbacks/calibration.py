@@ -54,6 +54,16 @@ def calibration_grid(seq_lens: list[int], batch_sizes: list[int], max_tokens: in
     return sorted(points, key=lambda p: (p[0] * p[1], p[1]))
 
 
+def predicted_peak_bytes(points: list[dict], b: int, s: int) -> float:
+    """Peak memory (bytes) of (b, s) extrapolated linearly in B through the two largest measured
+    batch sizes at the same S; 0 when fewer than two were measured (nothing to extrapolate)."""
+    same_s = sorted((p["batch_size"], p["peak_bytes"]) for p in points if p["seq_len"] == s and p["status"] == "ok")
+    if len(same_s) < 2:
+        return 0.0
+    (b0, m0), (b1, m1) = same_s[-2:]
+    return m1 + (m1 - m0) / (b1 - b0) * (b - b1)
+
+
 def model_fingerprint(module: torch.nn.Module) -> str:
     """sha256 of the class name and every parameter's name, shape and dtype."""
     lines = [f"{type(module).__module__}.{type(module).__qualname__}"]
@@ -200,6 +210,8 @@ class CostModelCalibration(Callback):
         # self.log is forbidden in on_fit_start and the calibration must not leave logged values.
         pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
         pl_module.train()
+        memory_limit = (self.max_memory_fraction * torch.cuda.get_device_properties(device).total_memory
+                        if device.type == "cuda" else None)
         points: list[dict] = []
         try:
             for i, (b, s) in enumerate(grid):
@@ -209,7 +221,7 @@ class CostModelCalibration(Callback):
                     point["status"] = "skipped_budget"
                 elif self._dominated(points, b, s):
                     point["status"] = "skipped_oom"  # a smaller (B, S) already did not fit
-                elif self._predicted_oom(points, b, s, device):
+                elif memory_limit is not None and predicted_peak_bytes(points, b, s) > memory_limit:
                     point["status"] = "predicted_oom"
                 else:
                     point.update(self._measure_point(trainer, pl_module, datamodule, b, s, points))
@@ -304,16 +316,6 @@ class CostModelCalibration(Callback):
     def _dominated(points: list[dict], b: int, s: int) -> bool:
         return any(p["status"] in ("oom", "predicted_oom", "skipped_oom") and p["batch_size"] <= b and p["seq_len"] <= s
                    for p in points)
-
-    def _predicted_oom(self, points: list[dict], b: int, s: int, device: torch.device) -> bool:
-        if device.type != "cuda":
-            return False
-        same_s = sorted((p["batch_size"], p["peak_bytes"]) for p in points if p["seq_len"] == s and p["status"] == "ok")
-        if len(same_s) < 2:
-            return False
-        (b0, m0), (b1, m1) = same_s[-2:]
-        predicted = m1 + (m1 - m0) / (b1 - b0) * (b - b1)
-        return predicted > self.max_memory_fraction * torch.cuda.get_device_properties(device).total_memory
 
     # ---------------------------------------------------------------- fit, files, report
 

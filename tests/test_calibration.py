@@ -218,3 +218,23 @@ def test_datamodule_without_the_methods_is_rejected(tmp_path):
     loader = torch.utils.data.DataLoader([GridDataModule().synthetic_batch(16, 1)], batch_size=None)
     with pytest.raises(TypeError, match="synthetic_batch"):
         trainer.fit(VideoDiTModule(**TINY), train_dataloaders=loader)
+
+
+def test_time_budget_stops_the_benchmark(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
+                                 cache_path=str(tmp_path / "cache.json"))
+    CountingModule.steps = 0
+    with pytest.raises(RuntimeError, match="from 0 feasible points"):
+        _fit(tmp_path, CountingModule(**TINY), [calib])
+    assert CountingModule.steps == 0
+    assert [p["status"] for p in calib.points] == ["skipped_budget"] * 6
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"format": "adaptiveload.calibration", "version": 1}'])
+def test_unreadable_or_foreign_cache_is_measured_again(tmp_path, text):
+    cache = tmp_path / "cache.json"
+    cache.write_text(text)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache))
+    _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    assert not calib.from_cache and len(calib.points) == 6
+    assert json.loads(cache.read_text())["points"] == calib.points  # and the cache is rewritten

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -287,8 +288,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         rows = read_index(self.index_path)
         if not rows:
             raise ValueError(f"index {self.index_path!r} lists no samples")
-        known = set(self.shard_paths)
-        foreign = [r["shard"] for r in rows if r["shard"] not in known]
+        known = {os.path.abspath(p) for p in self.shard_paths}  # the index may hold absolute paths
+        foreign = [r["shard"] for r in rows if os.path.abspath(r["shard"]) not in known]
         if foreign:
             raise ValueError(f"index {self.index_path!r} refers to {len(foreign)} samples in shards outside "
                              f"`shards`, e.g. {foreign[0]!r}")

@@ -7,7 +7,9 @@ namespace adaptiveload {
 
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 512;  // per block; 128 registers/thread fit at full block size
-constexpr int kMaxVpt = 4;        // 16-byte vectors per thread per row on the fast path
+// Cap for the fused backward: 96 registers keep two 320-thread blocks (D = 5120 bf16) resident
+// per SM, which hides more latency than the extra registers ptxas would otherwise take.
+constexpr int kBwdMaxRegisters = 96;
 
 // N elements loaded/stored as one aligned access (16 bytes for 8 bf16 or 4 fp32).
 template <typename T, int N>

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<
 // kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
 // registers that per-token outputs and weight/bias need.
 template <typename T, typename M, int VPT, bool kGeneral>
-__global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
+__global__ void __maxnreg__(kBwdMaxRegisters) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[2 * kWarpSize];
   const float* weight = kGeneral ? a.weight : nullptr;

@@ -13,8 +13,7 @@
 namespace adaptiveload {
 namespace {
 
-constexpr int kMaxVpt = 4;        // 16-byte vectors per thread per row on the fast path
-constexpr int kRowThreads = 128;  // preferred block size of the row kernels
+constexpr int kMaxVpt = 4;  // 16-byte vectors per thread per row on the fast path
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -74,17 +73,9 @@ template <typename T>
 LaunchConfig choose_config(int64_t dim, bool vectorizable) {
   constexpr int VEC = 16 / sizeof(T);
   if (vectorizable && dim % VEC == 0) {
-    // Fewest vectors per thread that keep a row's block at <= kRowThreads threads: small blocks
-    // let more rows run at once per SM, and that is what hides the latency of each row's block
-    // reductions (H200: 192-thread blocks ran D = 1536 at 1.7x the copy floor, 96 at ...).
-    // Wider rows take kMaxVpt vectors per thread and up to kMaxThreads threads.
     const int64_t nvec = dim / VEC;
-    const auto config = [&](int vpt) {
-      return LaunchConfig{true, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};
-    };
     for (int vpt = 1; vpt <= kMaxVpt; vpt *= 2)
-      if (nvec <= vpt * kRowThreads) return config(vpt);
-    if (nvec <= kMaxVpt * kMaxThreads) return config(kMaxVpt);
+      if (nvec <= vpt * kMaxThreads) return {true, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};
   }
   return {false, 0, static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(dim, 32) * 32))};
 }

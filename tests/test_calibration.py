@@ -238,3 +238,27 @@ def test_unreadable_or_foreign_cache_is_measured_again(tmp_path, text):
     _fit(tmp_path, VideoDiTModule(**TINY), [calib])
     assert not calib.from_cache and len(calib.points) == 6
     assert json.loads(cache.read_text())["points"] == calib.points  # and the cache is rewritten
+
+
+class RealOOMModule(VideoDiTModule):
+    """Asks the CUDA allocator for more than the device holds whenever B * S >= 128 tokens."""
+
+    def training_step(self, batch, batch_idx):
+        if batch["latents"].shape[0] * batch["seq_len"] >= 128:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.empty(2 * total, dtype=torch.uint8, device=self.device)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.cuda
+def test_cuda_out_of_memory_is_caught_freed_and_peak_memory_is_recorded(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=4, batch_sizes=[1, 2, 4], warmup=1, repeats=2,
+                                 cache_path=str(tmp_path / "cache.json"))
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[calib])
+    trainer.fit(RealOOMModule(**TINY), datamodule=GridDataModule())
+    status = {(p["batch_size"], p["seq_len"]): p["status"] for p in calib.points}
+    assert status[(2, 64)] == "oom" and status[(4, 48)] == "oom" and status[(1, 96)] == "ok"
+    peaks = {p["batch_size"]: p["peak_bytes"] for p in calib.points if p["seq_len"] == 16}
+    assert 0 < peaks[1] < peaks[4] < torch.cuda.get_device_properties(0).total_memory
+    assert trainer.global_step == 1  # training went on after the out-of-memory points

@@ -247,6 +247,7 @@ def test_backend_reports_reference_on_cpu_only_machine():
     [
         ((2, 3, 8, 1), (2, 8), (2, 8), "x must be"),
         ((8,), (8,), (8,), "x must be"),
+        ((2, 3, 0), (2, 0), (2, 0), r"last dim \(D\) >= 1"),
         ((2, 3, 8), (2, 7), (2, 8), r"shift has shape \(2, 7\)"),
         ((2, 3, 8), (2, 8), (3, 8), r"scale has shape \(3, 8\)"),
         ((2, 3, 8), (2, 2, 8), (2, 2, 8), r"shift has shape \(2, 2, 8\)"),

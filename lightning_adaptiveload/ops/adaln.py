@@ -146,6 +146,8 @@ def adaln_modulate(
             raise ValueError(f"adaln_modulate: {name} is on {t.device} but x is on {x.device}")
     if x.dim() not in (2, 3):
         raise ValueError(f"adaln_modulate: x must be (B, N, D) or (N, D), got shape {tuple(x.shape)}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"adaln_modulate: x must have a last dim (D) >= 1, got shape {tuple(x.shape)}")
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"adaln_modulate: x must have unit stride in its last dim, got shape {tuple(x.shape)} strides {x.stride()}")
     if not eps > 0:

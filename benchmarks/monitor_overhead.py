@@ -7,8 +7,8 @@ case: a gather, CSV append and logger call every step). Reports the monitor's se
 overhead per step (perf_counter around its hooks, including gathers and file writes) as a fraction
 of the mean step time, and, as a cross-check, training wall time per step with vs without it.
 
-    python benchmarks/monitor_overhead.py                 # CPU, writes results/monitor_overhead.json
-    python benchmarks/monitor_overhead.py --accelerator gpu --devices-list 1
+    python benchmarks/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
+    python benchmarks/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
 """
 from __future__ import annotations
 
@@ -37,17 +37,25 @@ from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-# (B, T, H, W) latent shapes with 16 channels; tokens per sample = T * H/2 * W/2: 64 ... 512.
-SHAPES = [(8, 1, 16, 16), (4, 2, 16, 16), (2, 4, 16, 16), (2, 2, 16, 32), (1, 8, 16, 16), (4, 1, 16, 32)]
+# Per preset: model size, precision, accelerator and the (B, T, H, W) latent shapes (16 channels)
+# cycled through; tokens per sample = T * H/2 * W/2 (cpu: 64 ... 512, h200: 1024 ... 8192).
+PRESETS = {
+    "cpu": {"model": dict(dim=64, num_layers=2, num_heads=4, ffn_dim=128, text_dim=32, freq_dim=32),
+            "precision": "32-true", "accelerator": "cpu",
+            "shapes": [(8, 1, 16, 16), (4, 2, 16, 16), (2, 4, 16, 16), (2, 2, 16, 32), (1, 8, 16, 16), (4, 1, 16, 32)]},
+    "h200": {"model": dict(dim=1536, num_layers=6, num_heads=12, ffn_dim=8960, text_dim=32, freq_dim=256),
+             "precision": "bf16-mixed", "accelerator": "gpu",
+             "shapes": [(8, 1, 64, 64), (4, 2, 64, 64), (2, 4, 64, 64), (2, 2, 64, 128), (1, 8, 64, 64), (4, 1, 64, 128)]},
+}
 WARMUP_STEPS = 5
 SETUPS = (("no monitor", None), ("monitor, log every 50", 50), ("monitor, log every 1", 1))
 
 
-def _batches(n: int, text_dim: int) -> list[dict]:
+def _batches(n: int, shapes: list[tuple], text_dim: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
-        b, t, h, w = SHAPES[i % len(SHAPES)]
+        b, t, h, w = shapes[i % len(shapes)]
         out.append({"latents": torch.randn(b, 16, t, h, w, generator=g), "text": torch.randn(b, 8, text_dim, generator=g),
                     "seq_len": t * (h // 2) * (w // 2), "keys": [f"{i}/{j}" for j in range(b)]})
     return out
@@ -68,9 +76,11 @@ class TrainClock(pl.Callback):
 
 
 def worker(args) -> None:
+    preset = PRESETS[args.preset]
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # one core per process: 2-process runs do not oversubscribe the 2-core host
-    model = VideoDiTModule(dim=64, num_layers=2, num_heads=4, ffn_dim=128, text_dim=32, freq_dim=32)
+    if preset["accelerator"] == "cpu":
+        torch.set_num_threads(1)  # one core per process: 2-process runs do not oversubscribe the 2-core host
+    model = VideoDiTModule(**preset["model"])
     clock = TrainClock()
     callbacks = [clock]
     monitor = None
@@ -78,11 +88,12 @@ def worker(args) -> None:
         monitor = LoadBalanceMonitor(verbose=False)
         callbacks.append(monitor)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices,
+        trainer = pl.Trainer(accelerator=preset["accelerator"], devices=args.devices, precision=preset["precision"],
                              strategy="ddp" if args.devices > 1 else "auto", max_steps=args.steps,
                              logger=CSVLogger(tmp), log_every_n_steps=args.log_every or 50, callbacks=callbacks,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        loader = DataLoader(_batches(args.steps * args.devices, 32), batch_size=None, shuffle=False)
+        loader = DataLoader(_batches(args.steps * args.devices, preset["shapes"], preset["model"]["text_dim"]),
+                            batch_size=None, shuffle=False)
         trainer.fit(model, train_dataloaders=loader)
     if trainer.is_global_zero:
         result = {"train_wall_ms_per_step": 1e3 * clock.wall_s / clock.steps, "timed_steps": clock.steps}
@@ -92,11 +103,11 @@ def worker(args) -> None:
         Path(args.result).write_text(json.dumps(result))
 
 
-def run_setup(devices: int, log_every: int | None, steps: int, accelerator: str) -> dict:
+def run_setup(devices: int, log_every: int | None, steps: int, preset: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", "--devices", str(devices), "--steps", str(steps),
-               "--accelerator", accelerator, "--result", str(result_path)]
+               "--preset", preset, "--result", str(result_path)]
         if log_every:
             cmd += ["--log-every", str(log_every)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -110,7 +121,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="train steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per setup (setups interleaved)")
     parser.add_argument("--devices-list", default="1,2", help="process counts to run, comma separated")
-    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model size, precision, device")
     parser.add_argument("--out", default=str(RESULTS / "monitor_overhead.json"))
     # worker mode (one training run; used by the driver)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -128,7 +139,7 @@ def main() -> int:
     runs = [(d, name, every, rep) for rep in range(args.repeats) for d in devices_list for name, every in SETUPS]
     rows: dict[tuple[int, str], list[dict]] = {}
     for devices, name, every, _ in tqdm(runs, desc="training runs"):
-        rows.setdefault((devices, name), []).append(run_setup(devices, every, args.steps, args.accelerator))
+        rows.setdefault((devices, name), []).append(run_setup(devices, every, args.steps, args.preset))
 
     table = []
     for devices in devices_list:
@@ -152,7 +163,8 @@ def main() -> int:
         print(f"{e['processes']:>5} {e['setup']:<24} {e['train_wall_ms_per_step']:>12.2f} "
               f"{100 * e['wall_vs_no_monitor']:>7.1f}% {hooks}")
 
-    device = (torch.cuda.get_device_name(0) if args.accelerator == "gpu"
+    preset = PRESETS[args.preset]
+    device = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if preset["accelerator"] == "gpu"
               else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)")
     doc = {
         "benchmark": "monitor_overhead",
@@ -161,8 +173,9 @@ def main() -> int:
         "device": device,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "lightning": lightning.__version__, "numpy": np.__version__},
-        "model": "examples VideoDiTModule dim=64 layers=2 heads=4 ffn=128 text_dim=32, 1 torch thread per process",
-        "shapes_BTHW": SHAPES, "steps": args.steps, "warmup_steps_excluded_from_wall": WARMUP_STEPS,
+        "preset": args.preset, "model": {"class": "examples VideoDiTModule", **preset["model"]},
+        "precision": preset["precision"], "shapes_BTHW": preset["shapes"], "steps": args.steps,
+        "warmup_steps_excluded_from_wall": WARMUP_STEPS,
         "repeats": args.repeats, "table": table,
     }
     out = Path(args.out)

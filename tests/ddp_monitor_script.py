@@ -1,7 +1,7 @@
 """Run by tests/test_balance_monitor.py: a 2-process DDP (gloo, CPU) fit with LoadBalanceMonitor
 where rank r trains on batches of known, rank-specific shapes, so the gathered per-rank rows and the
 logged cross-rank statistics can be checked against them. Lightning re-launches this script for
-rank 1. Usage: python tests/ddp_monitor_script.py OUT_DIR
+rank 1. Usage: python tests/ddp_monitor_script.py OUT_DIR [cpu|gpu]   (gpu: 2 GPUs, NCCL)
 """
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ class Model(pl.LightningModule):
         return DataLoader(RankBatches(self.global_rank), batch_size=None, shuffle=False)
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, accelerator: str) -> None:
     torch.set_num_threads(1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, use_distributed_sampler=False,
+    trainer = pl.Trainer(accelerator=accelerator, devices=2, strategy="ddp", max_epochs=1, use_distributed_sampler=False,
                          logger=CSVLogger(out_dir, name="run", version=0), log_every_n_steps=4,
                          callbacks=[LoadBalanceMonitor(cost_model=PowerCost(), window=3)],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -66,4 +66,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")

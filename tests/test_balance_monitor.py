@@ -172,16 +172,34 @@ def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
     assert monitor.summary["steps"] == 2 * len(SHAPES)
 
 
+@pytest.mark.cuda
+def test_single_gpu_fit_synchronizes_and_records(tmp_path):
+    monitor = LoadBalanceMonitor(cost_model=AffineCost(), verbose=False)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=1, logger=CSVLogger(tmp_path, name="run"),
+                         log_every_n_steps=2, callbacks=[monitor], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyModel(), datamodule=TinyData(cost_model=None))
+    assert monitor._sync and monitor._device.type == "cuda"
+    rows = _read_csv(f"{trainer.logger.log_dir}/{CSV_NAME}")
+    assert [int(r["samples"]) for r in rows] == [b for b, *_ in SHAPES]
+    assert all(float(r["step_time_ms"]) > 0 for r in rows)
+    assert monitor.summary["steps"] == len(SHAPES)
+
+
 def test_bad_window_is_rejected():
     with pytest.raises(ValueError, match="window"):
         LoadBalanceMonitor(window=1)
 
 
-@pytest.mark.slow
-def test_two_process_ddp_gathers_per_rank_rows(tmp_path):
+@pytest.mark.parametrize("accelerator", [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param("gpu", marks=[pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                     reason="needs 2 GPUs")]),
+])
+def test_two_process_ddp_gathers_per_rank_rows(tmp_path, accelerator):
     """Rank r trains on known rank-specific (B, S); the gathered CSV and logged statistics must
-    match the fp64 formulas on those shapes (tests/ddp_monitor_script.py)."""
-    proc = subprocess.run([sys.executable, str(TESTS / "ddp_monitor_script.py"), str(tmp_path)],
+    match the fp64 formulas on those shapes (tests/ddp_monitor_script.py; gloo on CPU, NCCL on GPU)."""
+    proc = subprocess.run([sys.executable, str(TESTS / "ddp_monitor_script.py"), str(tmp_path), accelerator],
                           capture_output=True, text=True, timeout=240, cwd=TESTS.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoadBalanceMonitor: 6 steps x 2 ranks" in proc.stdout

@@ -203,6 +203,12 @@ def test_two_process_ddp_gathers_per_rank_rows(tmp_path, accelerator):
                           capture_output=True, text=True, timeout=240, cwd=TESTS.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LoadBalanceMonitor: 6 steps x 2 ranks" in proc.stdout
+    table = proc.stdout[proc.stdout.index("LoadBalanceMonitor: 6 steps"):].splitlines()
+    for r in (0, 1):  # the summary's per-rank row: rank, mean samples, mean tokens, mean seq_len, ...
+        cells = table[2 + r].split()
+        assert int(cells[0]) == r
+        assert float(cells[1]) == pytest.approx(np.mean([b for b, _ in RANK_SHAPES[r]]), abs=0.01)
+        assert float(cells[2]) == pytest.approx(np.mean([b * s for b, s in RANK_SHAPES[r]]), abs=0.1)
     log_dir = tmp_path / "run" / "version_0"
 
     rows = _read_csv(log_dir / CSV_NAME)

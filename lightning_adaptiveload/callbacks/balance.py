@@ -101,8 +101,8 @@ class LoadBalanceMonitor(Callback):
         self._sync = self.sync_cuda and self._device.type == "cuda"
         self._rows: list[tuple] = []
         self._recent_step_ms: collections.deque = collections.deque(maxlen=self.window)
-        self._run: dict[str, list] = collections.defaultdict(list)  # per-step stats of this fit
-        self._per_rank: list[np.ndarray] = []  # gathered (world, k, F) blocks, for the summary
+        self._run: dict[str, list] = collections.defaultdict(list)  # per-interval arrays of per-step stats
+        self._rank_sums = np.zeros((trainer.world_size, len(FIELDS)))  # per-rank field sums over the fit
         self._last_end = None
         self._step_at_start = 0
         self.overhead_ms = 0.0  # time inside the per-batch hooks and the flushes (not one-off setup)
@@ -164,7 +164,7 @@ class LoadBalanceMonitor(Callback):
         self.overhead_ms += (time.perf_counter() - t0) * 1e3
         self.summary = self._summarize(trainer.world_size)
         if trainer.is_global_zero and self.verbose and self.summary:
-            print(format_summary(self.summary, self._per_rank_means()))
+            print(format_summary(self.summary, self._rank_sums / max(self.summary["steps"], 1)))
 
     # ---- gather, log, write ---------------------------------------------------------------
     def _flush(self, trainer: Trainer) -> None:
@@ -174,7 +174,7 @@ class LoadBalanceMonitor(Callback):
         if trainer.world_size == 1:
             gathered = gathered.unsqueeze(0)
         rows = gathered.cpu().numpy()  # (world, k, F)
-        self._per_rank.append(rows)
+        self._rank_sums += rows.sum(axis=1)
         metrics = self._metrics(rows, trainer)
         if trainer.is_global_zero:
             self._append_csv(rows)
@@ -191,13 +191,13 @@ class LoadBalanceMonitor(Callback):
         interval_s = rows[:, :, _COL["interval_ms"]].sum(axis=1).max() / 1e3
         self._recent_step_ms.extend(step_ms.mean(axis=0).tolist())
         run = self._run
-        run["load_cv"].extend(load_stats["cv"].tolist())
-        run["load_max_over_mean"].extend(load_stats["max_over_mean"].tolist())
-        run["bubble_frac"].extend(load_stats["bubble"].tolist())
-        run["step_time_cv"].extend(time_stats["cv"].tolist())
-        run["mean_step_ms"].extend(step_ms.mean(axis=0).tolist())
-        run["tokens"].append(float(tokens.sum()))
-        run["interval_s"].append(float(interval_s))
+        run["load_cv"].append(load_stats["cv"])
+        run["load_max_over_mean"].append(load_stats["max_over_mean"])
+        run["bubble_frac"].append(load_stats["bubble"])
+        run["step_time_cv"].append(time_stats["cv"])
+        run["mean_step_ms"].append(step_ms.mean(axis=0))
+        run["tokens"].append(np.array([tokens.sum()]))
+        run["interval_s"].append(np.array([interval_s]))
         metrics = {
             "balance/load_cv": float(load_stats["cv"].mean()),
             "balance/load_max_over_mean": float(load_stats["max_over_mean"].mean()),
@@ -229,14 +229,10 @@ class LoadBalanceMonitor(Callback):
                     writer.writerow([int(row[0]), int(row[1]), int(row[2]), r]
                                     + [int(v) for v in row[3:6]] + [f"{v:.6g}" for v in row[6:]])
 
-    def _per_rank_means(self) -> np.ndarray:
-        """(world, len(FIELDS)) mean of each field per rank over the fit."""
-        return np.concatenate(self._per_rank, axis=1).mean(axis=1) if self._per_rank else np.zeros((0, len(FIELDS)))
-
     def _summarize(self, world_size: int) -> dict:
-        run = self._run
-        if not run["load_cv"]:
+        if not self._run["load_cv"]:
             return {}
+        run = {name: np.concatenate(parts) for name, parts in self._run.items()}
         mean_step_ms = float(np.mean(run["mean_step_ms"]))
         interval_s = float(np.sum(run["interval_s"]))
         return {

@@ -282,3 +282,28 @@ def test_nan_in_x_propagates_to_its_row_only():
     x[0, 2, 3] = float("nan")
     y = adaln_modulate(x, torch.randn(1, 8), torch.randn(1, 8))
     assert y[0, 2].isnan().all() and not y[0, [0, 1, 3]].isnan().any()
+
+
+def test_loader_falls_back_to_reference_with_a_reason(monkeypatch):
+    """With a GPU but neither the prebuilt module nor JIT allowed, backend() says why."""
+    import sys
+
+    from lightning_adaptiveload.ops import extension
+
+    monkeypatch.setattr(extension, "_state", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "lightning_adaptiveload._C", None)  # import fails
+    monkeypatch.setenv("ADAPTIVELOAD_NO_JIT", "1")
+    module, why = extension.load_extension()
+    assert module is None
+    assert why.startswith("reference: prebuilt extension missing") and "ADAPTIVELOAD_NO_JIT" in why
+
+
+def test_build_flags_name_existing_sources():
+    import json
+
+    from lightning_adaptiveload.ops.extension import BUILD_FLAGS_FILE, CSRC_DIR
+
+    flags = json.loads(BUILD_FLAGS_FILE.read_text())
+    assert flags["sources"] and all((CSRC_DIR / s).is_file() for s in flags["sources"])
+    assert {"80", "90"} <= set(flags["cuda_archs"])

@@ -174,8 +174,8 @@ def test_cache_reuse_skips_the_benchmark_and_a_changed_model_does_not(tmp_path):
     CountingModule.steps = 0
     _fit(tmp_path / "a", CountingModule(**TINY), [first])
     measured_steps = CountingModule.steps
-    # 6 grid points, one extra warm-up step on the first, 1 training step
-    assert not first.from_cache and measured_steps == 6 + 1 + 1
+    # 6 grid points, 2 to 10 settling steps before the first, 1 training step
+    assert not first.from_cache and 6 + 2 + 1 <= measured_steps <= 6 + 10 + 1
 
     second = CostModelCalibration(**kwargs)
     CountingModule.steps = 0

@@ -251,19 +251,19 @@ class CostModelCalibration(Callback):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            saved = _SavedTensorBytes()
-            times = []
-            # one more warm-up step on the first point: lazy initialisation (allocator pools,
-            # kernel selection, autotuning) would otherwise land in its timings
-            warmup = self.warmup + (not any(p["status"] == "ok" for p in points))
-            for step in range(warmup + self.repeats):
+            if not any(p["status"] == "ok" for p in points):
+                self._settle(trainer, pl_module, batch, device)
+            times, saved_bytes = [], []
+            for step in range(self.warmup + self.repeats):
+                saved = _SavedTensorBytes()
                 counting = (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                             if device.type == "cpu" else contextlib.nullcontext())
                 with counting:
                     elapsed = self._timed_step(trainer, pl_module, batch, device)
-                if step >= warmup:
+                saved_bytes.append(saved.total)
+                if step >= self.warmup:
                     times.append(elapsed)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.total
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max(saved_bytes)
             del batch
         except torch.OutOfMemoryError:
             out_of_memory = True
@@ -278,6 +278,20 @@ class CostModelCalibration(Callback):
         stats = torch.tensor([float(np.median(times)), float(peak)], dtype=torch.float64, device=device)
         stats = strategy.reduce(stats, reduce_op="max")
         return {"status": "ok", "time_ms": float(stats[0]), "peak_bytes": int(stats[1])}
+
+    def _settle(self, trainer: Trainer, pl_module: LightningModule, batch, device: torch.device,
+                max_steps: int = 10, tolerance: float = 0.25) -> None:
+        """Untimed steps before the first point until two consecutive step times agree within
+        `tolerance` on every rank (at most `max_steps`): lazy initialisation (allocator pools,
+        kernel selection, page faults after the DataModule wrote its shards) can stretch the first
+        steps by 100x and would otherwise land in the timings, and in the cache."""
+        previous = None
+        for _ in range(max_steps):
+            elapsed = self._timed_step(trainer, pl_module, batch, device)
+            settled = previous is not None and abs(elapsed - previous) <= tolerance * previous
+            if not self._agree(trainer.strategy, not settled):  # every rank stops at the same step
+                return
+            previous = elapsed
 
     def _timed_step(self, trainer: Trainer, pl_module: LightningModule, batch, device: torch.device) -> float:
         """ms of one forward + backward, synchronized; gradients dropped afterwards."""

@@ -262,3 +262,25 @@ def test_cuda_out_of_memory_is_caught_freed_and_peak_memory_is_recorded(tmp_path
     peaks = {p["batch_size"]: p["peak_bytes"] for p in calib.points if p["seq_len"] == 16}
     assert 0 < peaks[1] < peaks[4] < torch.cuda.get_device_properties(0).total_memory
     assert trainer.global_step == 1  # training went on after the out-of-memory points
+
+
+class AutocastProbe(VideoDiTModule):
+    autocast = []
+
+    def training_step(self, batch, batch_idx):
+        type(self).autocast.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return super().training_step(batch, batch_idx)
+
+
+def test_calibration_steps_run_under_the_trainers_precision(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                        callbacks=[calib])
+    AutocastProbe.autocast = []
+    trainer.fit(AutocastProbe(**TINY), datamodule=GridDataModule())
+    assert len(AutocastProbe.autocast) >= 6 + 2 + 1  # grid, settling, training
+    assert all(dtype == torch.bfloat16 for dtype in AutocastProbe.autocast)
+    assert calib.points and all(p["status"] == "ok" for p in calib.points)
+    assert json.loads((tmp_path / "cache.json").read_text())["key"]["precision"] == "bf16-mixed"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.cli import main
-from lightning_adaptiveload.cli.report import per_step_series, read_per_rank_csv
+from lightning_adaptiveload.cli.report import per_step_series, prediction_check, read_per_rank_csv
 
 WORLD, BATCHES, WINDOW = 3, 17, 5
 HEADER = ["epoch", "step", "batch_idx", "rank", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms"]
@@ -47,6 +47,11 @@ def test_per_step_series_matches_formulas(tmp_path):
         window = rank_mean_ms[max(0, i + 1 - WINDOW):i + 1]
         want = statistics.pstdev(window) / statistics.fmean(window) if len(window) > 1 else 0.0
         assert series["step_time_cv_temporal"][i] == pytest.approx(want, rel=1e-12, abs=1e-15)
+    slowest_load = [max(values[i, :, 0]) for i in range(BATCHES)]
+    slowest_ms = [max(values[i, :, 1]) for i in range(BATCHES)]
+    r_value, ratio = prediction_check(series)
+    assert r_value == pytest.approx(statistics.correlation(slowest_load, slowest_ms), rel=1e-9)
+    assert ratio == pytest.approx(statistics.median([m / x for m, x in zip(slowest_ms, slowest_load)]), rel=1e-12)
 
 
 def test_report_prints_summary_and_writes_png(tmp_path, capsys):

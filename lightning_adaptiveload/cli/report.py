@@ -59,14 +59,16 @@ def read_per_rank_csv(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def per_step_series(cols: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
-    """Per batch (n,): step, load_cv, load_max_over_mean, bubble_frac, step_time_cv (across ranks)
-    and step_time_cv_temporal (CV of the rank-mean step time over the last `window` batches)."""
+    """Per batch (n,): step, load_cv, load_max_over_mean, bubble_frac, step_time_cv (across ranks),
+    step_time_cv_temporal (CV of the rank-mean step time over the last `window` batches), and the
+    slowest rank's predicted load and measured step time (load_max, step_time_max_ms)."""
     load = cross_rank_stats(cols["load"].T)
     step_time = cross_rank_stats(cols["step_time_ms"].T)
     mean_ms = cols["step_time_ms"].mean(axis=1)
     rolling = np.array([temporal_cv(mean_ms[max(0, i + 1 - window):i + 1]) for i in range(len(mean_ms))])
     return {"step": cols["step"][:, 0], "load_cv": load["cv"], "load_max_over_mean": load["max_over_mean"],
-            "bubble_frac": load["bubble"], "step_time_cv": step_time["cv"], "step_time_cv_temporal": rolling}
+            "bubble_frac": load["bubble"], "step_time_cv": step_time["cv"], "step_time_cv_temporal": rolling,
+            "load_max": cols["load"].max(axis=1), "step_time_max_ms": cols["step_time_ms"].max(axis=1)}
 
 
 def read_metrics_csv(path: str | Path) -> dict[str, np.ndarray]:
@@ -112,16 +114,28 @@ def skipped_counts(metrics_csv: str | Path) -> dict[str, float]:
     return last
 
 
+def prediction_check(series: dict[str, np.ndarray]) -> tuple[float, float]:
+    """(Pearson R, median ratio) of the slowest rank's measured step time against its predicted
+    load over all batches: how well the load predicts the step (ratio meaningful for ms loads)."""
+    load, measured = series["load_max"], series["step_time_max_ms"]
+    if load.size < 3 or np.std(load) == 0 or np.std(measured) == 0:
+        return math.nan, float(np.median(measured / load))
+    return float(np.corrcoef(load, measured)[0, 1]), float(np.median(measured / load))
+
+
 def plot_imbalance(series: dict[str, np.ndarray], x: np.ndarray, xlabel: str, out_path: str | Path,
-                   title: str) -> None:
-    """Two panels over `x`: CVs (load, step time across ranks, step time over the rolling
-    window) and the bubble fraction."""
+                   title: str, load_unit: str = "") -> None:
+    """Panels over `x`: CVs (load, step time across ranks, step time over the rolling window),
+    the bubble fraction and, with per-batch data, the slowest rank's measured step time against
+    its predicted load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    per_batch = "step_time_max_ms" in series
+    fig, axes = plt.subplots(3 if per_batch else 2, 1, figsize=(9, 8.5 if per_batch else 6), sharex=True)
+    top, bottom = axes[0], axes[-1]
     for name, label in (("load_cv", "predicted-load CV across ranks"),
                         ("step_time_cv", "step-time CV across ranks"),
                         ("step_time_cv_temporal", "step-time CV over rolling window")):
@@ -129,10 +143,19 @@ def plot_imbalance(series: dict[str, np.ndarray], x: np.ndarray, xlabel: str, ou
     top.set_ylabel("coefficient of variation")
     top.legend(fontsize=8)
     top.set_title(title, fontsize=9)
-    bottom.plot(x, series["bubble_frac"], color="tab:red", lw=1)
-    bottom.set_ylabel("bubble fraction\n1 - mean/max load")
+    axes[1].plot(x, series["bubble_frac"], color="tab:red", lw=1)
+    axes[1].set_ylabel("bubble fraction\n1 - mean/max load")
+    if per_batch:
+        bottom.plot(x, series["step_time_max_ms"], color="tab:blue", lw=1, label="measured step time (ms)")
+        bottom.set_ylabel("slowest rank\nstep time (ms)")
+        # A cost-model load is in ms like the step time: same axis; a proxy load gets its own.
+        load_ax = bottom if load_unit.startswith("ms") else bottom.twinx()
+        load_ax.plot(x, series["load_max"], color="tab:orange", lw=1, ls="--", label=f"predicted load ({load_unit})")
+        if load_ax is not bottom:
+            load_ax.set_ylabel("predicted load", fontsize=8)
+        bottom.legend(handles=bottom.get_lines() + (load_ax.get_lines() if load_ax is not bottom else []), fontsize=8)
     bottom.set_xlabel(xlabel)
-    for ax in (top, bottom):
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
@@ -160,8 +183,12 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(summarize(series)))
         if wall_s > 0:
             print(f"global throughput: {cols['tokens'].sum() / wall_s:.1f} tokens/s over {wall_s:.1f} s of training")
+        r_value, ratio = prediction_check(series)
+        print(f"slowest rank's step time vs predicted load: Pearson R = {r_value:.3f}, "
+              f"median measured/predicted = {ratio:.3g}")
         source, x, xlabel = per_rank, np.arange(n), "train batch"
         title = f"{per_rank.parent.name}: {world} ranks, rolling window {window} steps"
+        load_unit = meta.get("load_unit", "")
     else:
         metrics = root / "metrics.csv" if (root / "metrics.csv").is_file() else _newest(root, "metrics.csv")
         if metrics is None:
@@ -172,11 +199,12 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(summarize(series)))
         source, x, xlabel = metrics, series["step"], "optimizer step (logged steps)"
         title = f"{metrics.parent.name}: logged balance metrics (means over each log interval)"
+        load_unit = ""
     metrics_csv = source.parent / "metrics.csv"
     if metrics_csv.is_file():
         for key, value in skipped_counts(metrics_csv).items():
             print(f"{key}: {value:.0f}")
     out = source.parent / PLOT_NAME
-    plot_imbalance(series, x, xlabel, out, title)
+    plot_imbalance(series, x, xlabel, out, title, load_unit)
     print(f"wrote {out}")
     return 0

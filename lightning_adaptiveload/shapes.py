@@ -7,12 +7,12 @@ sequence the transformer attends over.
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from lightning_adaptiveload.jsonl import iter_objects
 
 
 @dataclass(frozen=True)
@@ -86,37 +86,28 @@ def read_shapes_jsonl(path: str | Path, spec: TokenSpec = TokenSpec()) -> ShapeM
     optional integer "count" (default 1). Blank lines are skipped. Errors name line and field."""
     path = str(path)
     tokens, counts, thw = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            count = _positive_int(row.get("count", 1), line_no, "count", path)
-            if "tokens" in row:
-                s = _positive_int(row["tokens"], line_no, "tokens", path)
-                latent = (-1, -1, -1)
-            elif {"frames", "height", "width"} <= row.keys():
-                f_, h_, w_ = (_positive_int(row[k], line_no, k, path) for k in ("frames", "height", "width"))
-                latent = tuple(int(v) for v in spec.latent_from_pixels(f_, h_, w_))
-                s = spec.tokens_from_latent(*latent)
-            elif {"latent_t", "latent_h", "latent_w"} <= row.keys():
-                latent = tuple(_positive_int(row[k], line_no, k, path) for k in ("latent_t", "latent_h", "latent_w"))
-                s = spec.tokens_from_latent(*latent)
-            else:
-                raise ValueError(
-                    f"{path}:{line_no}: needs 'tokens', or 'frames'+'height'+'width', or "
-                    f"'latent_t'+'latent_h'+'latent_w'; got fields {sorted(row)}"
-                )
-            if s - spec.extra_tokens < 1:
-                raise ValueError(f"{path}:{line_no}: shape {row} gives {s} tokens (too small for patch {spec.patch})")
-            tokens.append(s)
-            counts.append(count)
-            thw.append(latent)
+    for line_no, row in iter_objects(path):
+        count = _positive_int(row.get("count", 1), line_no, "count", path)
+        if "tokens" in row:
+            s = _positive_int(row["tokens"], line_no, "tokens", path)
+            latent = (-1, -1, -1)
+        elif {"frames", "height", "width"} <= row.keys():
+            f_, h_, w_ = (_positive_int(row[k], line_no, k, path) for k in ("frames", "height", "width"))
+            latent = tuple(int(v) for v in spec.latent_from_pixels(f_, h_, w_))
+            s = spec.tokens_from_latent(*latent)
+        elif {"latent_t", "latent_h", "latent_w"} <= row.keys():
+            latent = tuple(_positive_int(row[k], line_no, k, path) for k in ("latent_t", "latent_h", "latent_w"))
+            s = spec.tokens_from_latent(*latent)
+        else:
+            raise ValueError(
+                f"{path}:{line_no}: needs 'tokens', or 'frames'+'height'+'width', or "
+                f"'latent_t'+'latent_h'+'latent_w'; got fields {sorted(row)}"
+            )
+        if s - spec.extra_tokens < 1:
+            raise ValueError(f"{path}:{line_no}: shape {row} gives {s} tokens (too small for patch {spec.patch})")
+        tokens.append(s)
+        counts.append(count)
+        thw.append(latent)
     if not tokens:
         raise ValueError(f"{path}: no shapes in file")
     return ShapeMix(

@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample
+from lightning_adaptiveload.jsonl import iter_objects
 from lightning_adaptiveload.shapes import TokenSpec
 
 MAX_OPEN_SHARDS = 64  # file descriptors a process keeps open for random access
@@ -98,25 +99,16 @@ def read_index(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"index file {str(path)!r} does not exist")
     base = path.resolve().parent
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object")
-            for field, kind in _ROW_FIELDS.items():
-                if not isinstance(row.get(field), kind):
-                    raise ValueError(f"{path}:{line_no}: field {field!r} must be a {kind.__name__}, "
-                                     f"got {row.get(field)!r}")
-            if len(row["latent_shape"]) != 3:
-                raise ValueError(f"{path}:{line_no}: field 'latent_shape' must be [T, H, W]")
-            row["shard"] = str(base / row["shard"])
-            row["members"] = {s: tuple(span) for s, span in row["members"].items()}
-            rows.append(row)
+    for line_no, row in iter_objects(path):
+        for field, kind in _ROW_FIELDS.items():
+            if not isinstance(row.get(field), kind):
+                raise ValueError(f"{path}:{line_no}: field {field!r} must be a {kind.__name__}, "
+                                 f"got {row.get(field)!r}")
+        if len(row["latent_shape"]) != 3:
+            raise ValueError(f"{path}:{line_no}: field 'latent_shape' must be [T, H, W]")
+        row["shard"] = str(base / row["shard"])
+        row["members"] = {s: tuple(span) for s, span in row["members"].items()}
+        rows.append(row)
     return rows
 
 

@@ -1,0 +1,22 @@
+"""JSON Lines input (shapes files, sample indexes) with errors that name the file and line."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def iter_objects(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file; a line that is not a JSON
+    object raises ValueError naming `path:line`."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            yield line_no, row

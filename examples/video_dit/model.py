@@ -54,12 +54,12 @@ class DiTConfig:
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding (B, dim) fp32 of flow times t (B,) in [0, 1], scaled to [0, 1000]
-    like Wan's 1000 training timesteps."""
+    """Sinusoidal embedding (B, dim) fp64, [cos, sin], of flow times t (B,) in [0, 1] scaled to
+    [0, 1000] like Wan's 1000 training timesteps (fp64: the arguments reach 1000 rad)."""
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float64, device=t.device) / half)
     args = (t.double() * 1000.0)[:, None] * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=1).float()
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=1)
 
 
 def rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -215,9 +215,10 @@ class VideoDiT(nn.Module):
         grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)  # (B, N, D)
         rope = rope_3d(grid, c.dim // c.num_heads, x.device)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            time_emb = self.time_embedding(timestep_embedding(t, c.freq_dim))  # (B, D) fp32
-            e = self.time_projection(time_emb).unflatten(1, (6, c.dim))  # (B, 6, D) fp32
+        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 under mixed precision
+            sinusoid = timestep_embedding(t, c.freq_dim).to(self.time_embedding[0].weight.dtype)
+            time_emb = self.time_embedding(sinusoid)  # (B, D)
+            e = self.time_projection(time_emb).unflatten(1, (6, c.dim))  # (B, 6, D)
         context = self.text_embedding(text)
         for block in self.blocks:
             if c.activation_checkpointing and self.training:

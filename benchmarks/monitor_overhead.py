@@ -45,7 +45,8 @@ PRESETS = {
             "shapes": [(8, 1, 16, 16), (4, 2, 16, 16), (2, 4, 16, 16), (2, 2, 16, 32), (1, 8, 16, 16), (4, 1, 16, 32)]},
     "h200": {"model": dict(dim=1536, num_layers=6, num_heads=12, ffn_dim=8960, text_dim=32, freq_dim=256),
              "precision": "bf16-mixed", "accelerator": "gpu",
-             "shapes": [(8, 1, 64, 64), (4, 2, 64, 64), (2, 4, 64, 64), (2, 2, 64, 128), (1, 8, 64, 64), (4, 1, 64, 128)]},
+             "shapes": [(8, 1, 64, 64), (4, 2, 64, 64), (2, 4, 64, 64), (2, 2, 64, 128), (1, 8, 64, 64),
+                        (4, 1, 64, 128)]},
 }
 WARMUP_STEPS = 5
 SETUPS = (("no monitor", None), ("monitor, log every 50", 50), ("monitor, log every 1", 1))
@@ -56,7 +57,8 @@ def _batches(n: int, shapes: list[tuple], text_dim: int) -> list[dict]:
     out = []
     for i in range(n):
         b, t, h, w = shapes[i % len(shapes)]
-        out.append({"latents": torch.randn(b, 16, t, h, w, generator=g), "text": torch.randn(b, 8, text_dim, generator=g),
+        out.append({"latents": torch.randn(b, 16, t, h, w, generator=g),
+                    "text": torch.randn(b, 8, text_dim, generator=g),
                     "seq_len": t * (h // 2) * (w // 2), "keys": [f"{i}/{j}" for j in range(b)]})
     return out
 
@@ -158,8 +160,11 @@ def main() -> int:
     print(f"\n{'procs':>5} {'setup':<24} {'wall ms/step':>12} {'vs none':>8} {'step ms':>9} "
           f"{'hooks ms/step':>13} {'hooks/step':>10}")
     for e in table:
-        hooks = (f"{e['step_time_ms_mean']:>9.2f} {e['hook_overhead_ms_per_step']:>13.3f} "
-                 f"{100 * e['hook_overhead_frac']:>9.2f}%") if e["log_every_n_steps"] else f"{'-':>9} {'-':>13} {'-':>10}"
+        if e["log_every_n_steps"]:
+            hooks = (f"{e['step_time_ms_mean']:>9.2f} {e['hook_overhead_ms_per_step']:>13.3f} "
+                     f"{100 * e['hook_overhead_frac']:>9.2f}%")
+        else:
+            hooks = f"{'-':>9} {'-':>13} {'-':>10}"
         print(f"{e['processes']:>5} {e['setup']:<24} {e['train_wall_ms_per_step']:>12.2f} "
               f"{100 * e['wall_vs_no_monitor']:>7.1f}% {hooks}")
 

@@ -58,7 +58,8 @@ class Model(pl.LightningModule):
 
 def main(out_dir: str, accelerator: str) -> None:
     torch.set_num_threads(1)
-    trainer = pl.Trainer(accelerator=accelerator, devices=2, strategy="ddp", max_epochs=1, use_distributed_sampler=False,
+    trainer = pl.Trainer(accelerator=accelerator, devices=2, strategy="ddp", max_epochs=1,
+                         use_distributed_sampler=False,
                          logger=CSVLogger(out_dir, name="run", version=0), log_every_n_steps=4,
                          callbacks=[LoadBalanceMonitor(cost_model=PowerCost(), window=3)],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -223,11 +223,12 @@ class LoadBalanceMonitor(Callback):
             writer = csv.writer(f)
             if new_file:
                 writer.writerow(("epoch", "step", "batch_idx", "rank") + FIELDS[3:])
+            # floats as exact float64 text: `adaptiveload report` recomputes CVs of nearly equal loads
             for i in range(rows.shape[1]):
                 for r in range(rows.shape[0]):
                     row = rows[r, i]
                     writer.writerow([int(row[0]), int(row[1]), int(row[2]), r]
-                                    + [int(v) for v in row[3:6]] + [f"{v:.6g}" for v in row[6:]])
+                                    + [int(v) for v in row[3:6]] + [repr(float(v)) for v in row[6:]])
 
     def _summarize(self, world_size: int) -> dict:
         if not self._run["load_cv"]:
@@ -235,6 +236,7 @@ class LoadBalanceMonitor(Callback):
         run = {name: np.concatenate(parts) for name, parts in self._run.items()}
         mean_step_ms = float(np.mean(run["mean_step_ms"]))
         interval_s = float(np.sum(run["interval_s"]))
+        overhead_ms_per_step = self.overhead_ms / max(self.steps_seen, 1)
         return {
             "steps": len(run["load_cv"]),
             "world_size": world_size,
@@ -247,8 +249,8 @@ class LoadBalanceMonitor(Callback):
             "step_time_cv_temporal_run": temporal_cv(run["mean_step_ms"]),
             "step_time_ms_mean": mean_step_ms,
             "tokens_per_s": float(np.sum(run["tokens"]) / interval_s) if interval_s > 0 else 0.0,
-            "monitor_overhead_ms_per_step": self.overhead_ms / max(self.steps_seen, 1),
-            "monitor_overhead_frac": (self.overhead_ms / max(self.steps_seen, 1)) / mean_step_ms if mean_step_ms > 0 else 0.0,
+            "monitor_overhead_ms_per_step": overhead_ms_per_step,
+            "monitor_overhead_frac": overhead_ms_per_step / mean_step_ms if mean_step_ms > 0 else 0.0,
         }
 
 
@@ -259,7 +261,8 @@ def format_summary(summary: dict, per_rank_means: np.ndarray) -> str:
              f"{'rank':>5} {'samples':>9} {'tokens':>10} {'seq_len':>9} {'load':>12} {'step_ms':>10}"]
     for r, means in enumerate(per_rank_means):
         lines.append(f"{r:>5} {means[_COL['samples']]:>9.2f} {means[_COL['tokens']]:>10.1f} "
-                     f"{means[_COL['seq_len']]:>9.1f} {means[_COL['load']]:>12.4g} {means[_COL['step_time_ms']]:>10.2f}")
+                     f"{means[_COL['seq_len']]:>9.1f} {means[_COL['load']]:>12.4g} "
+                     f"{means[_COL['step_time_ms']]:>10.2f}")
     lines += [
         f"load CV (mean / max over steps):  {summary['load_cv_mean']:.4f} / {summary['load_cv_max']:.4f}",
         f"load max/mean (mean):             {summary['load_max_over_mean_mean']:.4f}",

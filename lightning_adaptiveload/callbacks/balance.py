@@ -19,6 +19,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_adaptiveload.cost_model import CostModel
+
 # One row per train batch and rank; the gathered tensor's last axis follows this order.
 FIELDS = ("epoch", "step", "batch_idx", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms")
 CSV_NAME = "balance_per_rank.csv"
@@ -83,7 +85,8 @@ class LoadBalanceMonitor(Callback):
     step's kernels (it stops the host from running ahead of the GPU at the step boundary).
     """
 
-    def __init__(self, cost_model=None, window: int = 50, sync_cuda: bool = True, verbose: bool = True):
+    def __init__(self, cost_model: CostModel | None = None, window: int = 50, sync_cuda: bool = True,
+                 verbose: bool = True):
         if int(window) < 2:
             raise ValueError(f"LoadBalanceMonitor window must be >= 2 steps, got {window}")
         self.cost_model = cost_model

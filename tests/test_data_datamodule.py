@@ -128,7 +128,7 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     dm = make_dm(tmp_path, m_mem=400)
     # corrupt the latent bytes of one scheduled sample (in a batch of >= 2) after indexing
     batch = next(b for b in dm.train_dataloader().batch_sampler if len(b) >= 2)
-    row = dm.dataset.rows[batch[0]]
+    row = dm.dataset.index[batch[0]]
     offset, size = row["members"]["latent.npy"]
     with open(row["shard"], "r+b") as f:
         f.seek(offset)
@@ -140,8 +140,8 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     assert "bad_latent=1" in caplog.text
     # a batch whose every sample fails cannot be filled: a clear error, not an empty batch
     for i in batch:
-        offset, _ = dm.dataset.rows[i]["members"]["latent.npy"]
-        with open(dm.dataset.rows[i]["shard"], "r+b") as f:
+        offset, _ = dm.dataset.index[i]["members"]["latent.npy"]
+        with open(dm.dataset.index[i]["shard"], "r+b") as f:
             f.seek(offset)
             f.write(b"\0" * 16)
     with pytest.raises(RuntimeError, match="every sample of a batch failed"):
@@ -285,3 +285,38 @@ def test_epochs_reshuffle_and_trainer_sets_epoch(tmp_path):
     assert e0 != e1  # set_epoch reached the sampler: a new order
     dm = make_dm(tmp_path / "data")
     assert [b["keys"] for b in epoch_batches(dm, epoch=1)] == e1
+
+
+def test_setup_checks_equal_per_sample_reference(tmp_path):
+    """setup() checks each distinct (C, T, H, W, D_text) once; the result must equal check_config
+    called on every index line (kept samples, their order, skip counts, scheduled tokens)."""
+    from collections import Counter
+    import json
+    from lightning_adaptiveload.data.shards import BadSample, check_config
+
+    rng = np.random.default_rng(21)
+    for name in ("a.tar", "b.tar"):
+        write_shard(tmp_path / name, [])
+    lines = [{"key": f"k{i}", "shard": ["a.tar", "b.tar"][i % 2], "members": {"json": [512, 9]},
+              "latent_shape": [int(rng.integers(1, 4)), *(int(v) for v in rng.choice([1, 4, 6, 8], 2))],
+              "channels": int(rng.choice([C, C, C, 3])),
+              "text_shape": None if rng.random() < 0.5 else [L_TEXT, int(rng.choice([D_TEXT, D_TEXT, 7]))]}
+             for i in range(300)]
+    (tmp_path / "index.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dm = make_dm(tmp_path, max_seq_len=30, oversize="resize")
+    kept, thw, tokens, skipped = [], [], [], Counter()
+    for line in lines:
+        try:
+            shape, seq_len = check_config(line["key"], line["channels"], tuple(line["latent_shape"]),
+                                          line["text_shape"] and line["text_shape"][1], spec=TokenSpec(),
+                                          latent_channels=C, text_dim=D_TEXT, max_seq_len=30, oversize="resize")
+        except BadSample as e:
+            skipped[e.reason] += 1
+            continue
+        kept.append(line["key"])
+        thw.append(shape)
+        tokens.append(seq_len)
+    assert set(skipped) == {"bad_shape", "bad_text"} and dm.skipped == skipped
+    assert [row["key"] for row in dm.dataset.index] == kept
+    np.testing.assert_array_equal(dm._keys, schedule_keys(np.array(thw), np.array(tokens)))
+    assert {r["seq_len"]: r["samples"] for r in dm.bucket_table()} == dict(Counter(dm._keys.tolist()))

@@ -185,7 +185,7 @@ def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):
         good.update(write_mixed_shard(tmp_path / f"s{i}.tar", rng, n=3))
     build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)
     fds = OrderedDict()
-    for row in read_index(tmp_path / "index.jsonl") * 2:
+    for row in list(read_index(tmp_path / "index.jsonl")) * 2:
         out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
         np.testing.assert_array_equal(out["latent"].float().numpy(), good[row["key"]][0].astype(np.float32))
         assert len(fds) <= 2
@@ -225,6 +225,60 @@ def test_read_index_errors(tmp_path):
         read_index(bad)
     with pytest.raises(FileNotFoundError):
         read_index(tmp_path / "nope.jsonl")
+
+
+def random_index_lines(rng, n: int) -> list[dict]:
+    """Index lines with every optional part varied: key lengths and non-ASCII keys, member subsets,
+    absolute and relative shards, text or none, tokens or none."""
+    suffixes = ["latent.npy", "latent.pth", "json", "text.npy"]
+    lines = []
+    for i in range(n):
+        members = {s: [int(rng.integers(0, 2**40)), int(rng.integers(0, 2**33))]
+                   for s in suffixes if rng.random() < 0.6}
+        line = {"key": f"dir{i % 3}/s{i}" + "é" * int(rng.integers(0, 3)) + "x" * int(rng.integers(0, 30)),
+                "shard": str(["a.tar", "sub/b.tar", "/abs/c.tar"][rng.integers(3)]), "members": members,
+                "latent_shape": [int(v) for v in rng.integers(1, 100, 3)], "channels": int(rng.integers(1, 64)),
+                "text_shape": None if rng.random() < 0.5 else [int(v) for v in rng.integers(1, 5000, 2)]}
+        if rng.random() < 0.8:
+            line["tokens"] = int(rng.integers(1, 10**6))
+        lines.append(line)
+    return lines
+
+
+def test_read_index_columns_equal_the_lines(tmp_path, monkeypatch):
+    import lightning_adaptiveload.data.index as index_mod
+    monkeypatch.setattr(index_mod, "_CHUNK_ROWS", 7)  # several packed chunks and a partial last one
+    lines = random_index_lines(np.random.default_rng(11), 40)
+    path = tmp_path / "i.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" + ("\n" if i % 9 == 0 else "") for i, line in enumerate(lines)))
+    expected = [{**line, "shard": str(tmp_path.resolve() / line["shard"]), "tokens": line.get("tokens", -1),
+                 "members": {s: tuple(span) for s, span in line["members"].items()}} for line in lines]
+    index = read_index(path)
+    assert len(index) == len(lines) and list(index) == expected and index[-1] == expected[-1]
+    assert len(index.shard_paths) == 3
+    rows = np.random.default_rng(12).permutation(len(lines))[:25]
+    assert list(index.take(rows)) == [expected[i] for i in rows]
+    assert len(index.take(np.array([], dtype=np.int64))) == 0
+    with pytest.raises(IndexError):
+        index[len(lines)]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"members": {"latent.mp4": [0, 1]}}, "suffix 'latent.mp4'"),
+    ({"members": {"json": [0, -1]}}, "member 'json' must be"),
+    ({"members": {"json": [0]}}, "member 'json' must be"),
+    ({"latent_shape": [0, 2, 2]}, "latent_shape"),
+    ({"latent_shape": [1, "2", 2]}, "latent_shape"),
+    ({"text_shape": [3]}, "text_shape"),
+    ({"tokens": "12"}, "tokens"),
+    ({"channels": True}, "channels"),
+])
+def test_read_index_rejects_bad_fields(tmp_path, change, message):
+    good = {"key": "a", "shard": "x.tar", "members": {"json": [512, 10]}, "latent_shape": [1, 2, 2], "channels": 4}
+    path = tmp_path / "i.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
+    with pytest.raises(ValueError, match=f"i.jsonl:2: .*{message}"):
+        read_index(path)
 
 
 def test_synthetic_shards_follow_the_mix(tmp_path):

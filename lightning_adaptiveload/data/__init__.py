@@ -3,9 +3,9 @@
 The shipped `*.jsonl` / `*.json` files next to this module are example inputs
 (`reference_mix.jsonl`: a shape histogram; `h200_dit_cost_curve.json`: measured step times).
 """
-from lightning_adaptiveload.data.index import build_index, read_index
+from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index
 from lightning_adaptiveload.data.shards import (SKIP_REASONS, BadSample, decode_sample, encode_sample,
                                                 write_shard, write_synthetic_shards)
 
-__all__ = ["SKIP_REASONS", "BadSample", "build_index", "decode_sample", "encode_sample", "read_index",
+__all__ = ["SKIP_REASONS", "BadSample", "SampleIndex", "build_index", "decode_sample", "encode_sample", "read_index",
            "write_shard", "write_synthetic_shards"]

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.cost_model import CostModel, load_cost_model
-from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
+from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index, read_members, scan_shard
 from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config,
                                                 decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
                                                 resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
@@ -62,21 +62,21 @@ class IndexedShardDataset(Dataset):
     """Samples of an index, read by byte offset. Item i is a decoded sample dict, or
     {"key", "skip": reason} when it fails to read or decode (counted by the collate function)."""
 
-    def __init__(self, rows: list[dict], decode_kwargs: dict):
-        self.rows = rows
+    def __init__(self, index: SampleIndex, decode_kwargs: dict):
+        self.index = index
         self.decode_kwargs = decode_kwargs
         self._fds: OrderedDict[str, int] = OrderedDict()  # opened lazily: each DataLoader worker has its own
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.index)
 
     def __getitem__(self, i: int) -> dict:
-        row = self.rows[i]
+        key = self.index.key(i)
         try:
-            files = read_members(self._fds, row["shard"], row["members"])
-            return decode_sample(row["key"], files, **self.decode_kwargs)
+            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i))
+            return decode_sample(key, files, **self.decode_kwargs)
         except BadSample as e:
-            return {"key": row["key"], "skip": e.reason, "detail": str(e)}
+            return {"key": key, "skip": e.reason, "detail": str(e)}
 
 
 def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
@@ -278,40 +278,43 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
     def _set_table(self, shapes: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Scheduling keys of (n, 3) shapes with (n,) tokens; fills the bucket table; returns keys."""
         keys = schedule_keys(shapes, tokens)
-        self._key_shape = {int(k): tuple(int(v) for v in sh) for k, sh in zip(keys, shapes)}
-        self._key_count = Counter()
-        for k, w in zip(keys.tolist(), weights.tolist()):
-            self._key_count[k] += int(w)
+        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        counts = np.bincount(inverse.reshape(-1), weights=weights, minlength=len(distinct))
+        self._key_shape = {int(k): tuple(int(v) for v in shapes[i]) for k, i in zip(distinct, first)}
+        self._key_count = {int(k): int(c) for k, c in zip(distinct, counts)}
         return keys
 
     def _setup_indexed(self) -> None:
-        rows = read_index(self.index_path)
-        if not rows:
+        index = read_index(self.index_path)
+        if not len(index):
             raise ValueError(f"index {self.index_path!r} lists no samples")
         known = {os.path.abspath(p) for p in self.shard_paths}  # the index may hold absolute paths
-        foreign = [r["shard"] for r in rows if os.path.abspath(r["shard"]) not in known]
-        if foreign:
-            raise ValueError(f"index {self.index_path!r} refers to {len(foreign)} samples in shards outside "
-                             f"`shards`, e.g. {foreign[0]!r}")
-        kept, shapes, tokens, skipped = [], [], [], Counter()
-        for row in rows:
-            text_shape = row.get("text_shape")
+        foreign = np.flatnonzero([os.path.abspath(p) not in known for p in index.shard_paths])
+        if len(foreign):
+            raise ValueError(f"index {self.index_path!r} refers to {int(np.isin(index.shard, foreign).sum())} "
+                             f"samples in shards outside `shards`, e.g. {index.shard_paths[foreign[0]]!r}")
+        # The checks depend only on (C, T, H, W, D_text): run them once per distinct combination.
+        combos, first, inverse = np.unique(
+            np.column_stack([index.channels, index.latent_shape, index.text_shape[:, 1]]), axis=0,
+            return_index=True, return_inverse=True)
+        fits = np.zeros(len(combos), dtype=bool)
+        combo_thw, combo_tokens, skipped = np.zeros((len(combos), 3), np.int64), np.zeros(len(combos), np.int64), Counter()
+        combo_size = np.bincount(inverse.reshape(-1), minlength=len(combos))
+        for c, (channels, t, h, w, text_dim) in enumerate(combos.tolist()):
             try:
-                thw, seq_len = check_config(row["key"], row["channels"], tuple(row["latent_shape"]),
-                                            None if text_shape is None else text_shape[1], **self._check_kwargs())
+                combo_thw[c], combo_tokens[c] = check_config(index.key(first[c]), channels, (t, h, w),
+                                                             None if text_dim < 0 else text_dim, **self._check_kwargs())
+                fits[c] = True
             except BadSample as e:
-                skipped[e.reason] += 1
-                continue
-            kept.append(row)
-            shapes.append(thw)
-            tokens.append(seq_len)
+                skipped[e.reason] += int(combo_size[c])
         self._count_skipped(skipped, where=f"index {self.index_path}")
-        if not kept:
+        kept = np.flatnonzero(fits[inverse.reshape(-1)])
+        if not len(kept):
             raise ValueError(f"no sample of index {self.index_path!r} fits this configuration "
                              f"(skipped: {dict(skipped)})")
-        self._keys = self._set_table(np.asarray(shapes, dtype=np.int64), np.asarray(tokens, dtype=np.int64),
-                                     np.ones(len(kept), dtype=np.int64))
-        self.dataset = IndexedShardDataset(kept, self._decode_kwargs())
+        kept_combo = inverse.reshape(-1)[kept]
+        self._keys = self._set_table(combo_thw[kept_combo], combo_tokens[kept_combo], np.ones(len(kept), dtype=np.int64))
+        self.dataset = IndexedShardDataset(index.take(kept), self._decode_kwargs())
 
     def _setup_streaming(self) -> None:
         steps = self.steps_per_epoch

@@ -168,10 +168,16 @@ def _op_samples():
     e = torch.randn(2, 6, 8, generator=gen)
     w, bias = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
     tok = torch.randn(2, 4, 16, generator=gen)
+    # row-strided (B, N, D) views, e.g. a (N, B, D) buffer transposed: the kernels return
+    # contiguous outputs, so must the reference (the fake kernels say so)
+    x_rows = torch.randn(4, 2, 8, generator=gen).transpose(0, 1)
+    tok_rows = torch.randn(4, 2, 16, generator=gen).transpose(0, 1)
     return [
         (x, e[:, 0:1], e[:, 1:2], None, None, 1e-6),
         (x.bfloat16(), e[:, 0:1], e[:, 1:2], w, bias, 1e-6),
         (x, tok[..., :8], tok[..., 8:], w, None, 1e-5),
+        (x_rows, e[:, 0:1], e[:, 1:2], None, bias, 1e-6),
+        (x_rows.bfloat16(), tok_rows[..., :8], tok_rows[..., 8:], w, bias, 1e-6),
     ]
 
 
@@ -182,7 +188,7 @@ def test_opcheck_forward_and_backward():
         torch.library.opcheck(torch.ops.adaptiveload.adaln_fwd, args)
         x, shift, scale, w, bias, eps = (a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         y, mean, rstd = torch.ops.adaptiveload.adaln_fwd(x, shift, scale, w, bias, eps)
-        dy = torch.randn_like(y)
+        dy = torch.randn_like(x)  # x's strides: row-strided for the row-strided samples
         torch.library.opcheck(torch.ops.adaptiveload.adaln_bwd, (dy, x, scale, w, bias, mean, rstd))
 
 

@@ -6,7 +6,8 @@ Canonical layout (the public wrapper in ops/adaln.py produces it):
     weight, bias (D,) fp32 or None
 All arithmetic is fp32 (fp64 for fp64 inputs, which only tests use); y and dx are written in x.dtype, dshift/dscale in the modulation dtype,
 dweight/dbias in fp32. mean and rstd are (B, N) fp32, the only tensors kept for backward
-besides the inputs.
+besides the inputs. Every output is contiguous, as the kernels' are and the fake kernels say: a
+row-strided x (or dy) is read through a contiguous copy, as csrc/adaln_bindings.cpp does.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def adaln_fwd_reference(
     x: Tensor, shift: Tensor, scale: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y = (xhat * weight + bias) * (1 + scale) + shift, xhat = (x - mean) * rstd. Returns (y, mean, rstd)."""
-    xf = x.to(_compute_dtype(x))
+    xf = x.to(_compute_dtype(x)).contiguous()
     mean = xf.mean(dim=-1)
     centered = xf - mean.unsqueeze(-1)
     rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
@@ -49,8 +50,8 @@ def adaln_bwd_reference(
     dshift/dscale have scale's shape (B, M, D): summed over the sequence when M = 1.
     dweight/dbias are (D,) fp32, or empty (0,) when weight/bias is None.
     """
-    dyf = dy.to(_compute_dtype(x))
-    xhat = (x.to(dyf.dtype) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dyf = dy.to(_compute_dtype(x)).contiguous()
+    xhat = (x.to(dyf.dtype).contiguous() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     z = xhat * weight if weight is not None else xhat
     if bias is not None:
         z = z + bias

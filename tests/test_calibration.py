@@ -212,6 +212,19 @@ def test_too_few_feasible_points_is_a_clear_error(tmp_path):
         _fit(tmp_path, VideoDiTModule(**TINY), [calib])
 
 
+def test_any_fit_error_is_handed_to_every_rank_as_a_clear_error(tmp_path, monkeypatch):
+    # Rank 0 fits while the others wait in the broadcast of its result: an error of any type must
+    # travel through that broadcast, not escape on rank 0 alone (the others would wait forever).
+    def failing_fit(*args, **kwargs):
+        raise RuntimeError("solver diverged")
+
+    monkeypatch.setattr(CostModel, "fit", failing_fit)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+    with pytest.raises(RuntimeError, match=r"CostModelCalibration: cannot fit .*RuntimeError: solver diverged"):
+        _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+
+
 def test_datamodule_without_the_methods_is_rejected(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[CostModelCalibration()])

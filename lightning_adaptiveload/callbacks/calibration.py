@@ -337,9 +337,9 @@ class CostModelCalibration(Callback):
         b, s, t = (np.array([p[k] for p in feasible], dtype=np.float64) for k in ("batch_size", "seq_len", "time_ms"))
         try:
             return CostModel.fit(b, s, t, form=self.form), None
-        except ValueError as e:
-            return None, (f"cannot fit the cost model from {len(feasible)} feasible points ({e}); widen the grid "
-                          "(num_seq_lens, batch_sizes, max_tokens) or raise time_budget_s")
+        except Exception as e:  # any error: the other ranks wait in the broadcast for its text
+            return None, (f"cannot fit the cost model from {len(feasible)} feasible points ({type(e).__name__}: {e}); "
+                          "widen the grid (num_seq_lens, batch_sizes, max_tokens) or raise time_budget_s")
 
     def _key(self, trainer: Trainer, pl_module: LightningModule, grid) -> dict:
         device = trainer.strategy.root_device

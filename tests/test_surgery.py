@@ -260,6 +260,16 @@ def test_video_dit_report_state_dict_idempotence():
     assert model.blocks[1].forward.__func__ is video_dit.block_forward
 
 
+
+def test_video_dit_head_broadcast_time_embedding_falls_back_exactly():
+    head = tiny_video_dit().head
+    patched, _ = patched_copy(head)
+    gen = torch.Generator().manual_seed(4)
+    x, time_emb = torch.randn(2, 6, 48, generator=gen), torch.randn(1, 48, generator=gen)
+    with pytest.warns(RuntimeWarning, match=r"eager fallback for shift of shape \(1, 1, 48\)"):
+        out = patched(x, time_emb)
+    assert torch.equal(out, head(x, time_emb))
+
 # --- the Lightning callback --------------------------------------------------------------------
 def _loader(batches=2):
     gen = torch.Generator().manual_seed(3)

@@ -117,6 +117,21 @@ def test_wan_bf16_matches_eager_rounding():
         assert rel_err(patched(latents, timestep, text).sample, model(latents, timestep, text).sample) <= 2**-7
 
 
+
+def test_wan_broadcast_time_embedding_falls_back_exactly():
+    """A (1, 6, D) temb shared by a batch of 2 broadcasts in eager Wan; the op takes (B, 1, D) only,
+    so the block runs Wan's own expression for that call (docs/surgery.md), not a ValueError."""
+    model = tiny_wan()
+    block = model.blocks[0]
+    patched, _ = patched_copy(block)
+    gen = torch.Generator().manual_seed(6)
+    x, context = torch.randn(2, 18, 32, generator=gen), torch.randn(2, 5, 32, generator=gen)
+    temb = torch.randn(1, 6, 32, generator=gen)
+    rotary = model.rope(wan_inputs()[0])
+    with pytest.warns(RuntimeWarning, match=r"eager fallback for shift of shape \(1, 1, 32\)"):
+        out = patched(x, context, temb, rotary)
+    assert torch.equal(out, block(x, context, temb, rotary))
+
 def test_wan_report_state_dict_idempotence():
     model = tiny_wan()
     check_state_dict_round_trip(model)

@@ -221,8 +221,14 @@ def fused_modulate_fp32(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Ten
     """Wan's `(norm(x.float()) * (1 + scale) + shift).type_as(x)` through the fused op.
 
     shift, scale fp32 (B, 1, D) or (B, N, D); the op computes in fp32 and casts back once, as Wan
-    does. Callers check `upcast_fallback_reason(x)` on entry to the block.
+    does. Callers check `upcast_fallback_reason(x)` on entry to the block. Modulation shapes the
+    op does not take (e.g. a (1, 1, D) time embedding broadcast over B > 1) run this eager
+    expression for the call and warn once.
     """
+    reason = fallback_reason(x, shift, scale, result_dtype=x.dtype)
+    if reason is not None:
+        warn_once(f"fused AdaLN: eager fallback for {reason}")
+        return (norm(x.float()) * (1 + scale) + shift).type_as(x)
     return adaln_modulate(
         _unit_inner_stride(x), _unit_inner_stride(shift), _unit_inner_stride(scale), norm.weight, norm.bias, norm.eps
     )

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.video_dit.module import VideoDiTModule
-from lightning_adaptiveload.callbacks.calibration import (CostModelCalibration, calibration_grid, predicted_peak_bytes,
-                                                          seq_len_grid)
+from lightning_adaptiveload.callbacks.calibration import (CostModelCalibration, calibration_grid, model_fingerprint,
+                                                          predicted_peak_bytes, seq_len_grid)
 from lightning_adaptiveload.cost_model import CostModel
 
 TINY = dict(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
@@ -187,6 +187,23 @@ def test_cache_reuse_skips_the_benchmark_and_a_changed_model_does_not(tmp_path):
     third = CostModelCalibration(**kwargs)
     _fit(tmp_path / "c", CountingModule(**{**TINY, "dim": 48}), [third])
     assert not third.from_cache
+
+
+def test_fingerprint_sees_activation_checkpointing_and_instance_forward_patches():
+    # Both change the step's time and memory without touching a parameter: a cached calibration of
+    # the plain model must not be reused for them.
+    torch.manual_seed(0)
+    plain = model_fingerprint(VideoDiTModule(**TINY))
+    assert model_fingerprint(VideoDiTModule(**TINY)) == plain  # stable, so the cache can hit
+    assert model_fingerprint(VideoDiTModule(**TINY, activation_checkpointing=True)) != plain
+
+    def fused_forward(self, *args, **kwargs):  # what module surgery binds on a block instance
+        return type(self).forward(self, *args, **kwargs)
+
+    patched = VideoDiTModule(**TINY)
+    block = patched.dit.blocks[0]
+    block.forward = fused_forward.__get__(block)
+    assert model_fingerprint(patched) != plain
 
 
 def test_out_of_memory_point_is_recorded_infeasible_and_bounds_m_mem(tmp_path):

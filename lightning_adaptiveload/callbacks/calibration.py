@@ -65,9 +65,19 @@ def predicted_peak_bytes(points: list[dict], b: int, s: int) -> float:
 
 
 def model_fingerprint(module: torch.nn.Module) -> str:
-    """sha256 of the class name and every parameter's name, shape and dtype."""
+    """sha256 of what decides the step's cost beyond the strategy: the class name, every
+    parameter's name, shape and dtype, every submodule's class and any `forward` bound on an
+    instance (module surgery swaps those, leaving classes and parameters alone), and the
+    LightningModule's hyperparameters (e.g. activation checkpointing, which changes no parameter)."""
     lines = [f"{type(module).__module__}.{type(module).__qualname__}"]
     lines += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    for name, sub in module.named_modules():
+        patched = getattr(sub.__dict__.get("forward"), "__func__", sub.__dict__.get("forward"))
+        lines.append(f"{name}:{type(sub).__qualname__}"
+                     + (f":{patched.__module__}.{patched.__qualname__}" if patched is not None else ""))
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        lines.append(json.dumps(dict(hparams), sort_keys=True, default=str))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 

@@ -8,6 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.video_dit.module import VideoDiTModule
@@ -204,6 +205,31 @@ def test_fingerprint_sees_activation_checkpointing_and_instance_forward_patches(
     block = patched.dit.blocks[0]
     block.forward = fused_forward.__get__(block)
     assert model_fingerprint(patched) != plain
+
+
+def test_resume_uses_the_checkpointed_calibration_not_a_new_benchmark(tmp_path):
+    # The sampler's resume state holds m_mem, m_comp and p: a resumed fit must get the same cost
+    # model even when the cache is gone (another root dir, another model's calibration since).
+    cache = tmp_path / "cache.json"
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache))
+    def trainer(max_steps, callbacks):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks)
+
+    first = CostModelCalibration(**kwargs)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer(1, [first, checkpoint]).fit(CountingModule(**TINY), datamodule=GridDataModule())
+    cache.unlink()
+
+    resumed = CostModelCalibration(**kwargs)
+    CountingModule.steps = 0
+    trainer = trainer(2, [resumed])
+    dm = GridDataModule()
+    trainer.fit(CountingModule(**TINY), datamodule=dm, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
+    assert CountingModule.steps == 1 and trainer.global_step == 2  # one training step, no benchmark
+    assert resumed.points == first.points and resumed.from_cache
+    [(cm, _)] = dm.cost_model_calls
+    assert cm.form == first.cost_model.form and cm.params == pytest.approx(first.cost_model.params, rel=1e-12)
 
 
 def test_out_of_memory_point_is_recorded_infeasible_and_bounds_m_mem(tmp_path):

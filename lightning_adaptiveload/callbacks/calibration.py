@@ -157,6 +157,7 @@ class CostModelCalibration(Callback):
         self.measured_m_mem: int | None = None
         self.points: list[dict] = []
         self.from_cache = False
+        self._restored_points: list[dict] | None = None  # from a checkpoint, see load_state_dict
 
     # ---------------------------------------------------------------- hook
 
@@ -172,13 +173,18 @@ class CostModelCalibration(Callback):
         key = self._key(trainer, pl_module, grid)
         cache_path = Path(self.cache_path or os.path.join(trainer.default_root_dir, "calibration_cache.json"))
 
-        cached = trainer.strategy.broadcast(_read_cache(cache_path, key) if trainer.is_global_zero else None)
-        if cached is not None:
-            self.points, self.from_cache = cached["points"], True
-            rank_zero_info(f"CostModelCalibration: reusing {cache_path} (same model, strategy, precision, "
-                           "world size, device and grid); no benchmark run")
+        if self._restored_points is not None:  # every rank loaded the same checkpoint
+            self.points, self.from_cache, self._restored_points = self._restored_points, True, None
+            rank_zero_info("CostModelCalibration: resuming with the calibration stored in the checkpoint; "
+                           "no benchmark run")
         else:
-            self.points = self._benchmark(trainer, pl_module, datamodule, grid, start)
+            cached = trainer.strategy.broadcast(_read_cache(cache_path, key) if trainer.is_global_zero else None)
+            if cached is not None:
+                self.points, self.from_cache = cached["points"], True
+                rank_zero_info(f"CostModelCalibration: reusing {cache_path} (same model, strategy, precision, "
+                               "world size, device and grid); no benchmark run")
+            else:
+                self.points = self._benchmark(trainer, pl_module, datamodule, grid, start)
 
         feasible = [p for p in self.points if p["status"] == "ok"]
         infeasible = [p for p in self.points if p["status"] in ("oom", "predicted_oom")]
@@ -208,6 +214,14 @@ class CostModelCalibration(Callback):
             self._report(trainer, doc, max(seq_lens))
             if callable(getattr(datamodule, "bucket_table", None)):
                 rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
+
+    # A resumed fit must schedule with the cost model it started with: the sampler's resume state
+    # holds m_mem, m_comp and p, and a new measurement (or a cache since overwritten) would differ.
+    def state_dict(self) -> dict:
+        return {"points": self.points}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._restored_points = state_dict.get("points") or None
 
     # ---------------------------------------------------------------- benchmark
 

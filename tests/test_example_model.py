@@ -158,14 +158,32 @@ def test_module_training_step_is_the_flow_matching_loss_of_its_batch():
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # no Trainer attached
     latents, _, text = _inputs(seed=6)
     torch.manual_seed(7)
-    loss = module.training_step({"latents": latents, "text": text, "seq_len": 36}, 0)
+    out = module.training_step({"latents": latents, "text": text, "seq_len": 36}, 0)
     torch.manual_seed(7)  # the step draws t, then the noise, from the global generator
     t = torch.rand(latents.shape[0])
     expected = flow_matching_loss(module.dit, latents, text, t, torch.randn_like(latents))
-    torch.testing.assert_close(loss, expected, rtol=0, atol=0)  # one process: no rescaling
+    torch.testing.assert_close(out["loss"], expected, rtol=0, atol=0)  # one process: no rescaling
     torch.testing.assert_close(logged["train/loss"], expected.detach())
+    torch.testing.assert_close(out["local_loss"], expected.detach(), rtol=0, atol=0)
+    assert out["loss"].requires_grad and not out["local_loss"].requires_grad
     opt = module.configure_optimizers()
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == module.hparams.lr
+
+
+def test_module_returns_the_unscaled_loss_next_to_the_rescaled_one(monkeypatch):
+    # Under several ranks the returned "loss" is rescaled by this rank's share of the global batch;
+    # callbacks that record the loss (benchmarks/e2e.py compares loss curves) need the unscaled one.
+    monkeypatch.setattr("examples.video_dit.module.scale_loss_to_global_mean", lambda loss, count: loss * 0.25)
+    torch.manual_seed(0)
+    module = VideoDiTModule(in_channels=4, dim=48, num_layers=1, num_heads=4, ffn_dim=96, text_dim=24, freq_dim=32)
+    module.log = lambda *args, **kwargs: None
+    latents, _, text = _inputs(seed=6)
+    torch.manual_seed(7)
+    out = module.training_step({"latents": latents, "text": text, "seq_len": 36}, 0)
+    torch.manual_seed(7)
+    expected = flow_matching_loss(module.dit, latents, text, torch.rand(latents.shape[0]), torch.randn_like(latents))
+    torch.testing.assert_close(out["local_loss"], expected.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out["loss"], expected * 0.25, rtol=0, atol=0)
 
 
 def test_module_can_build_the_network_in_configure_model():

@@ -33,7 +33,10 @@ class VideoDiTModule(L.LightningModule):
         if self.dit is None:  # Lightning may call this hook more than once
             self.dit = VideoDiT(self.config)
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
+        """{"loss": the loss to backpropagate (rescaled, see below), "local_loss": this rank's
+        unscaled mean loss over its batch, detached (what is logged; callbacks read it from
+        `outputs`)}."""
         latents = batch["latents"].to(self.dit.patch_embedding.weight.dtype)
         text = batch["text"].to(latents.dtype)
         batch_size = latents.shape[0]
@@ -43,7 +46,7 @@ class VideoDiTModule(L.LightningModule):
         self.log("train/loss", loss.detach(), batch_size=batch_size, prog_bar=True)
         # Ranks hold different batch sizes under AdaptiveLoad; rescale so the gradient average
         # over ranks is the mean over all samples of the global batch.
-        return scale_loss_to_global_mean(loss, batch_size)
+        return {"loss": scale_loss_to_global_mean(loss, batch_size), "local_loss": loss.detach()}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams

@@ -315,6 +315,14 @@ def test_cli_make_shards_and_index(tmp_path, capsys):
     assert json.loads((tmp_path / "bad.jsonl").read_text())["reason"] == "bad_json"
 
 
+def test_cli_index_and_make_shards_bad_input_exit_2(tmp_path, capsys):
+    assert cli_main(["index", str(tmp_path / "missing.tar"), "-o", str(tmp_path / "i.jsonl")]) == 2
+    assert "adaptiveload index: error:" in capsys.readouterr().err
+    (tmp_path / "mix.jsonl").write_text('{"tokens": 0}\n')
+    assert cli_main(["make-shards", "--shapes", str(tmp_path / "mix.jsonl"), "--n", "3", "--out", str(tmp_path)]) == 2
+    assert "mix.jsonl:1: field 'tokens' must be >= 1" in capsys.readouterr().err
+
+
 def test_no_pickle_payload_runs(tmp_path, capsys):
     buf = io.BytesIO()
     pickle.dump(Evil(), buf)

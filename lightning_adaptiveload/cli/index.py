@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from lightning_adaptiveload.cli.plan import run_with_clear_errors
 from lightning_adaptiveload.data.index import build_index, summarize_bad
 from lightning_adaptiveload.data.shards import resolve_shards
 from lightning_adaptiveload.shapes import TokenSpec
@@ -27,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--patch", type=int, nargs=3, default=(1, 2, 2), metavar=("PT", "PH", "PW"),
                    help="DiT patch (tokens column of the index)")
     p.add_argument("--extra-tokens", type=int, default=0, help="constant tokens per sample (tokens column)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=lambda args: run_with_clear_errors("index", run, args))
 
 
 def run(args) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_adaptiveload.cli.plan import run_with_clear_errors
 from lightning_adaptiveload.data.shards import write_synthetic_shards
 from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
 
@@ -29,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--vae-stride-t", type=int, default=4)
     p.add_argument("--vae-stride-s", type=int, default=8)
     p.add_argument("--patch", type=int, nargs=3, default=(1, 2, 2), metavar=("PT", "PH", "PW"))
-    p.set_defaults(func=run)
+    p.set_defaults(func=lambda args: run_with_clear_errors("make-shards", run, args))
 
 
 def run(args) -> int:

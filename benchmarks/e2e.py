@@ -8,15 +8,18 @@ One configuration per process (Lightning's launcher re-runs this script for ever
 `run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
 `--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
 shards (drawn from the shipped reference mix, same seed for every configuration) with
-`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (one calibration, cached
-and reused by every configuration) and LoadBalanceMonitor, and writes `<workdir>/<config>.json`.
-`report` gathers those files, simulates the same policies at 8/16/64 ranks with the calibrated
-cost model, prints a table, and writes the JSON and a PNG.
+`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (cached: measured once for
+the three unfused configurations and once for the fused one, whose patched blocks are another model
+to the cache key) and LoadBalanceMonitor, and writes `<workdir>/<config>.json`.
+`report` reads those files and each run's `balance_per_rank.csv` (the monitor's per-rank rows; the
+metrics follow docs/monitoring.md, over the batches after the first WARMUP_STEPS), simulates the
+same policies at 2/8/16/64 ranks with the calibrated cost model, prints a table, and writes the
+JSON and a PNG. Throughput is tokens of all ranks per second of epoch wall time (the paper's
+measure; policies drop different samples, so samples/s is a poorer comparison).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import platform
@@ -35,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from 
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.callbacks.balance import CSV_NAME, cross_rank_stats, temporal_cv  # noqa: E402
+from lightning_adaptiveload.cli.report import read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.shapes import read_shapes_jsonl  # noqa: E402
@@ -54,14 +59,16 @@ SCALES = {
     "cpu": dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, latent_scale=0.125, dim=64,
                 heads=4, ffn=128, freq_dim=64, batch_sizes=[1, 2, 4, 8, 16]),
 }
-WARMUP_STEPS = 5  # steps left out of the per-step medians
+WARMUP_STEPS = 5  # train batches left out of the per-step metrics
+LOSS_WINDOW = 64  # samples in the moving average of the loss curves (fewer for short runs)
 
 
 class RunRecorder(Callback):
-    """Records what the monitor does not: epoch wall time, loss per step, peak memory per rank."""
+    """Records what the monitor does not: epoch wall time, rank 0's loss and samples per step,
+    peak memory per rank."""
 
     def __init__(self):
-        self.losses, self.samples, self.seq_lens = [], [], []
+        self.losses, self.samples = [], []
 
     def on_train_epoch_start(self, trainer, pl_module):
         if pl_module.device.type == "cuda":
@@ -70,10 +77,10 @@ class RunRecorder(Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss.detach()))
+        # "loss" is rescaled by this rank's share of the step's samples; the curves compare the
+        # unscaled mean loss of the batch.
+        self.losses.append(float(outputs["local_loss"]))
         self.samples.append(int(batch["latents"].shape[0]))
-        self.seq_lens.append(int(batch["seq_len"]))
 
     def on_train_epoch_end(self, trainer, pl_module):
         cuda = pl_module.device.type == "cuda"
@@ -82,11 +89,7 @@ class RunRecorder(Callback):
         self.epoch_s = time.perf_counter() - self._t0
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")],
                             device=pl_module.device)
-        self.peak_gib = trainer.strategy.all_gather(peak).reshape(-1).tolist()
-        counts = torch.tensor([sum(self.samples), max(self.seq_lens, default=0)], device=pl_module.device)
-        gathered = trainer.strategy.all_gather(counts).reshape(-1, 2)
-        self.samples_all_ranks = int(gathered[:, 0].sum())
-        self.longest_seq = int(gathered[:, 1].max())
+        self.peak_gib = trainer.strategy.all_gather(peak).reshape(-1).tolist()  # every rank calls it
 
 
 def run(args: argparse.Namespace) -> None:
@@ -122,9 +125,7 @@ def run(args: argparse.Namespace) -> None:
     result = {
         "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers,
         "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
-        "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s,
-        "samples_consumed": recorder.samples_all_ranks, "longest_seq_trained": recorder.longest_seq,
-        "peak_mem_gib_per_rank": recorder.peak_gib,
+        "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s, "peak_mem_gib_per_rank": recorder.peak_gib,
         "calibration": json.loads((Path(trainer.logger.log_dir) / "calibration.json").read_text()),
         "monitor_summary": monitor.summary,
         "losses_rank0": recorder.losses, "samples_rank0": recorder.samples,
@@ -137,80 +138,82 @@ def run(args: argparse.Namespace) -> None:
         "command": "python " + " ".join(sys.argv),
     }
     (work / f"{args.config}.json").write_text(json.dumps(result, indent=1))
-    print(f"e2e {args.config}: epoch {recorder.epoch_s:.1f} s, {recorder.samples_all_ranks} samples")
-
-
-def per_step_table(log_dir: Path) -> dict[str, np.ndarray]:
-    """Per-step arrays (steps, world) from the monitor's balance_per_rank.csv."""
-    with open(log_dir / "balance_per_rank.csv") as f:
-        rows = list(csv.DictReader(f))
-    ranks = sorted({int(r["rank"]) for r in rows})
-    steps = sorted({int(float(r["step"])) for r in rows})
-    out = {k: np.zeros((len(steps), len(ranks))) for k in ("tokens", "samples", "load", "step_time_ms")}
-    s_idx = {s: i for i, s in enumerate(steps)}
-    for r in rows:
-        i, j = s_idx[int(float(r["step"]))], ranks.index(int(r["rank"]))
-        for k in out:
-            out[k][i, j] = float(r[k])
-    return out
+    print(f"e2e {args.config}: epoch {recorder.epoch_s:.1f} s")
 
 
 def summarize_run(res: dict) -> dict:
-    t = per_step_table(Path(res["log_dir"]))
+    """One configuration's numbers from its result JSON and the monitor's per-rank CSV: totals over
+    every train batch; balance metrics (docs/monitoring.md definitions, per batch then averaged)
+    over the batches after the first WARMUP_STEPS."""
+    cols = read_per_rank_csv(Path(res["log_dir"]) / CSV_NAME)  # each (batches, world)
+    batches = cols["load"].shape[0]
+    if batches <= WARMUP_STEPS:
+        raise SystemExit(f"e2e report: {res['config']} trained {batches} batches, not more than the "
+                         f"{WARMUP_STEPS} warm-up batches; run with more --samples")
     keep = slice(WARMUP_STEPS, None)
-    step_ms = t["step_time_ms"][keep]
-    step_max_s = step_ms.max(axis=1) / 1e3
-    load = t["load"][keep]
-    load_mean = load.mean(axis=1)
+    load = cross_rank_stats(cols["load"][keep].T)
+    step_time = cross_rank_stats(cols["step_time_ms"][keep].T)
+    slowest_s = cols["step_time_ms"][keep].max(axis=1) / 1e3  # a step lasts as long as its slowest rank
+    tokens, samples = float(cols["tokens"].sum()), float(cols["samples"].sum())
     return {
         "config": res["config"],
         "epoch_wall_s": res["epoch_wall_s"],
-        "samples_consumed": res["samples_consumed"],
-        "samples_per_s_epoch": res["samples_consumed"] / res["epoch_wall_s"],
-        "tokens_per_s_median": float(np.median(t["tokens"][keep].sum(axis=1) / step_max_s)),
-        "samples_per_s_median": float(np.median(t["samples"][keep].sum(axis=1) / step_max_s)),
-        "load_cv": float(np.mean(load.std(axis=1) / load_mean)),
-        "load_max_over_mean": float(np.mean(load.max(axis=1) / load_mean)),
-        "bubble_frac": float(1 - load_mean.sum() / load.max(axis=1).sum()),
-        "step_time_cv_ranks": float(np.mean(step_ms.std(axis=1) / step_ms.mean(axis=1))),
-        "step_time_cv_temporal": float(step_ms.mean(axis=1).std() / step_ms.mean()),
+        "samples_consumed": int(samples),
+        "tokens_consumed": int(tokens),
+        "tokens_per_s_epoch": tokens / res["epoch_wall_s"],
+        "samples_per_s_epoch": samples / res["epoch_wall_s"],
+        "tokens_per_s_step_median": float(np.median(cols["tokens"][keep].sum(axis=1) / slowest_s)),
+        "load_cv": float(load["cv"].mean()),
+        "load_max_over_mean": float(load["max_over_mean"].mean()),
+        "bubble_frac": float(load["bubble"].mean()),
+        "step_time_cv_ranks": float(step_time["cv"].mean()),
+        "step_time_cv_temporal": temporal_cv(cols["step_time_ms"][keep].mean(axis=1)),
         "peak_mem_gib_max": max(res["peak_mem_gib_per_rank"]),
-        "longest_seq_trained": res["longest_seq_trained"],
-        "steps": int(t["tokens"].shape[0]),
+        "longest_seq_trained": int(cols["seq_len"].max()),
+        "steps": batches,
         "calibration_s": res["calibration"]["seconds"],
         "calibration_from_cache": res["calibration"]["from_cache"],
     }
 
 
-def smoothed_loss_vs_samples(res: dict, grid: np.ndarray, window: int = 64) -> np.ndarray:
-    """Rank 0's loss, per-sample weighted moving average over `window` samples, at `grid` samples."""
+def smoothed_loss_vs_samples(res: dict, grid: np.ndarray, window: int) -> np.ndarray:
+    """Rank 0's loss, per-sample weighted moving average over `window` samples, at `grid` samples
+    seen (grid values >= window)."""
     per_sample = np.repeat(res["losses_rank0"], res["samples_rank0"])
-    kernel = np.ones(window) / window
-    smooth = np.convolve(per_sample, kernel, mode="valid")
-    x = np.arange(len(smooth)) + window
-    return np.interp(grid, x, smooth)
+    if window > per_sample.size:
+        raise ValueError(f"loss window {window} is longer than the {per_sample.size} samples of {res['config']}")
+    smooth = np.convolve(per_sample, np.ones(window) / window, mode="valid")
+    return np.interp(grid, np.arange(smooth.size) + window, smooth)
+
+
+def loss_grid(runs: dict) -> tuple[np.ndarray, int]:
+    """20 points of samples seen by rank 0, up to the shortest run, and the smoothing window."""
+    n = min(sum(r["samples_rank0"]) for r in runs.values())
+    window = max(1, min(LOSS_WINDOW, n // 4))
+    return np.linspace(window, n, 20), window
 
 
 def report(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
     runs = {name: json.loads((work / f"{name}.json").read_text()) for name in CONFIGS if (work / f"{name}.json").exists()}
+    if "token_equal" not in runs:
+        raise SystemExit(f"e2e report: no {work / 'token_equal.json'} (the baseline); found {sorted(runs)}")
     rows = [summarize_run(r) for r in runs.values()]
     base = next(r for r in rows if r["config"] == "token_equal")
     for r in rows:
-        r["throughput_vs_token_equal"] = base["epoch_wall_s"] / r["epoch_wall_s"] * r["samples_consumed"] / base["samples_consumed"]
-    cols = ["config", "epoch_wall_s", "samples_consumed", "tokens_per_s_median", "samples_per_s_median", "load_cv",
-            "load_max_over_mean", "step_time_cv_ranks", "step_time_cv_temporal", "bubble_frac", "peak_mem_gib_max",
-            "longest_seq_trained", "throughput_vs_token_equal"]
+        r["throughput_vs_token_equal"] = r["tokens_per_s_epoch"] / base["tokens_per_s_epoch"]
+    cols = ["config", "epoch_wall_s", "samples_consumed", "tokens_consumed", "tokens_per_s_epoch",
+            "tokens_per_s_step_median", "load_cv", "load_max_over_mean", "step_time_cv_ranks", "step_time_cv_temporal",
+            "bubble_frac", "peak_mem_gib_max", "longest_seq_trained", "throughput_vs_token_equal"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
 
     # Loss congruence: smoothed loss vs samples seen, each against token_equal.
-    n = min(sum(r["samples_rank0"]) for r in runs.values())
-    grid = np.linspace(64, n, 20)
-    ref = smoothed_loss_vs_samples(runs["token_equal"], grid)
+    grid, window = loss_grid(runs)
+    ref = smoothed_loss_vs_samples(runs["token_equal"], grid, window)
     for r in rows:
-        cur = smoothed_loss_vs_samples(runs[r["config"]], grid)
+        cur = smoothed_loss_vs_samples(runs[r["config"]], grid, window)
         r["smoothed_loss_max_rel_diff_vs_token_equal"] = float(np.max(np.abs(cur - ref) / ref))
 
     model = CostModel.from_json(Path(runs["token_equal"]["log_dir"]) / "calibration_cost_model.json")
@@ -227,10 +230,10 @@ def report(args: argparse.Namespace) -> None:
     for s in simulated:
         print(f"simulated {s['policy']:>16} x{s['world_size']:<3} load CV {s['load_cv_mean']:.3f} "
               f"tokens/s {s['predicted_tokens_per_s']:.0f}")
-    plot(runs, rows, grid, Path(args.out).with_suffix(".png"))
+    plot(runs, rows, grid, window, Path(args.out).with_suffix(".png"))
 
 
-def plot(runs: dict, rows: list[dict], grid: np.ndarray, path: Path) -> None:
+def plot(runs: dict, rows: list[dict], grid: np.ndarray, window: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on the benchmark machines
@@ -238,17 +241,16 @@ def plot(runs: dict, rows: list[dict], grid: np.ndarray, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     names = [r["config"] for r in rows]
-    axes[0].bar(names, [r["epoch_wall_s"] for r in rows])
-    axes[0].set_ylabel("wall time for the same samples (s)")
+    axes[0].bar(names, [r["tokens_per_s_epoch"] for r in rows])
+    axes[0].set_ylabel("tokens/s over the epoch (all ranks)")
     for name, res in runs.items():
-        t = per_step_table(Path(res["log_dir"]))
-        load = t["load"]
-        axes[1].plot(load.std(axis=1) / load.mean(axis=1), label=name)
-        axes[2].plot(grid, smoothed_loss_vs_samples(res, grid), label=name)
-    axes[1].set_xlabel("step")
+        load = read_per_rank_csv(Path(res["log_dir"]) / CSV_NAME)["load"]
+        axes[1].plot(cross_rank_stats(load.T)["cv"], label=name)
+        axes[2].plot(grid, smoothed_loss_vs_samples(res, grid, window), label=name)
+    axes[1].set_xlabel("train batch")
     axes[1].set_ylabel("predicted-load CV across ranks")
     axes[2].set_xlabel("samples seen (rank 0)")
-    axes[2].set_ylabel("smoothed loss")
+    axes[2].set_ylabel(f"loss, moving average over {window} samples")
     for ax in axes[1:]:
         ax.legend()
     fig.tight_layout()

@@ -1,0 +1,112 @@
+"""benchmarks/e2e.py's report arithmetic on a hand-written monitor CSV: balance metrics follow
+docs/monitoring.md (checked against per-batch fp64 loops), throughput counts tokens, batches that
+share an optimizer step (gradient accumulation) stay separate rows, short runs get a loss window
+that fits, and a missing baseline is a clear error. The GPU runs themselves: benchmarks/gpu_e2e.sh."""
+import csv
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks" / "e2e.py")
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
+
+WORLD, BATCHES = 2, 12
+
+
+def _write_run(log_dir: Path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A monitor CSV of BATCHES batches x WORLD ranks; two batches per optimizer step (so `step`
+    repeats). Returns the columns as (batches, world) arrays."""
+    cols = {
+        "samples": rng.integers(1, 9, size=(BATCHES, WORLD)),
+        "seq_len": rng.integers(64, 4096, size=(BATCHES, WORLD)),
+        "load": rng.uniform(5.0, 50.0, size=(BATCHES, WORLD)),
+        "step_time_ms": rng.uniform(20.0, 80.0, size=(BATCHES, WORLD)),
+        "interval_ms": rng.uniform(80.0, 90.0, size=(BATCHES, WORLD)),
+    }
+    cols["tokens"] = cols["samples"] * cols["seq_len"]
+    log_dir.mkdir(parents=True)
+    with open(log_dir / "balance_per_rank.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["epoch", "step", "batch_idx", "rank", "samples", "tokens", "seq_len", "load", "step_time_ms",
+                         "interval_ms"])
+        for i in range(BATCHES):
+            for r in range(WORLD):
+                writer.writerow([0, i // 2, i, r] + [int(cols[k][i, r]) for k in ("samples", "tokens", "seq_len")]
+                                + [repr(float(cols[k][i, r])) for k in ("load", "step_time_ms", "interval_ms")])
+    return cols
+
+
+def _result(config: str, log_dir: Path, epoch_s: float, rng: np.random.Generator, samples_rank0) -> dict:
+    return {"config": config, "log_dir": str(log_dir), "epoch_wall_s": epoch_s, "peak_mem_gib_per_rank": [3.0, 4.5],
+            "calibration": {"seconds": 12.0, "from_cache": False},
+            "losses_rank0": rng.uniform(0.5, 1.5, size=len(samples_rank0)).tolist(),
+            "samples_rank0": [int(v) for v in samples_rank0]}
+
+
+def _cv(x):
+    mean = sum(x) / len(x)
+    return math.sqrt(sum((v - mean) ** 2 for v in x) / len(x)) / mean
+
+
+def test_summarize_run_follows_the_monitoring_definitions(tmp_path):
+    rng = np.random.default_rng(3)
+    cols = _write_run(tmp_path / "run", rng)
+    res = _result("balanced", tmp_path / "run", 7.5, rng, cols["samples"][:, 0])
+    got = e2e.summarize_run(res)
+
+    kept = range(e2e.WARMUP_STEPS, BATCHES)
+    load = [[float(cols["load"][i, r]) for r in range(WORLD)] for i in kept]
+    step = [[float(cols["step_time_ms"][i, r]) for r in range(WORLD)] for i in kept]
+    assert got["load_cv"] == pytest.approx(sum(_cv(x) for x in load) / len(load), rel=1e-12)
+    assert got["load_max_over_mean"] == pytest.approx(sum(max(x) / (sum(x) / WORLD) for x in load) / len(load),
+                                                      rel=1e-12)
+    assert got["bubble_frac"] == pytest.approx(sum(1 - (sum(x) / WORLD) / max(x) for x in load) / len(load), rel=1e-12)
+    assert got["step_time_cv_ranks"] == pytest.approx(sum(_cv(x) for x in step) / len(step), rel=1e-12)
+    assert got["step_time_cv_temporal"] == pytest.approx(_cv([sum(x) / WORLD for x in step]), rel=1e-12)
+    # every batch counts once, although two batches share each optimizer step
+    tokens = sum(int(cols["tokens"][i, r]) for i in range(BATCHES) for r in range(WORLD))
+    assert got["steps"] == BATCHES and got["tokens_consumed"] == tokens
+    assert got["samples_consumed"] == int(cols["samples"].sum())
+    assert got["tokens_per_s_epoch"] == pytest.approx(tokens / 7.5, rel=1e-12)
+    per_step = [sum(int(cols["tokens"][i, r]) for r in range(WORLD)) / (max(s) / 1e3) for i, s in zip(kept, step)]
+    assert got["tokens_per_s_step_median"] == pytest.approx(float(np.median(per_step)), rel=1e-12)
+    assert got["longest_seq_trained"] == int(cols["seq_len"].max()) and got["peak_mem_gib_max"] == 4.5
+
+
+def test_too_short_run_is_a_clear_error(tmp_path):
+    rng = np.random.default_rng(4)
+    cols = _write_run(tmp_path / "run", rng)
+    lines = (tmp_path / "run" / "balance_per_rank.csv").read_text().splitlines()
+    (tmp_path / "run" / "balance_per_rank.csv").write_text("\n".join(lines[:1 + WORLD * e2e.WARMUP_STEPS]) + "\n")
+    with pytest.raises(SystemExit, match="warm-up batches"):
+        e2e.summarize_run(_result("balanced", tmp_path / "run", 1.0, rng, cols["samples"][:, 0]))
+
+
+def test_loss_curves_of_short_runs_use_a_window_that_fits(tmp_path):
+    rng = np.random.default_rng(5)
+    runs = {name: _result(name, tmp_path, 1.0, rng, rng.integers(1, 4, size=n))
+            for name, n in (("token_equal", 20), ("balanced", 25))}
+    grid, window = e2e.loss_grid(runs)
+    shortest = min(sum(r["samples_rank0"]) for r in runs.values())
+    assert window == max(1, shortest // 4) and grid[0] == window and grid[-1] == shortest
+    res = runs["token_equal"]
+    per_sample = np.repeat(res["losses_rank0"], res["samples_rank0"])
+    got = e2e.smoothed_loss_vs_samples(res, grid, window)
+    for x, value in zip(grid, got):  # the mean of the `window` samples ending at x (x between samples: linear)
+        lo, hi = math.floor(x), math.ceil(x)
+        at = [float(np.mean(per_sample[k - window:k])) for k in (lo, hi)]
+        expected = at[0] if lo == hi else at[0] + (x - lo) * (at[1] - at[0])
+        assert value == pytest.approx(expected, rel=1e-12)
+
+
+def test_report_without_the_baseline_is_a_clear_error(tmp_path):
+    (tmp_path / "balanced.json").write_text(json.dumps({"config": "balanced"}))
+    args = type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")})
+    with pytest.raises(SystemExit, match="token_equal.json"):
+        e2e.report(args)

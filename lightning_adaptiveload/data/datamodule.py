@@ -294,12 +294,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             raise ValueError(f"index {self.index_path!r} refers to {int(np.isin(index.shard, foreign).sum())} "
                              f"samples in shards outside `shards`, e.g. {index.shard_paths[foreign[0]]!r}")
         # The checks depend only on (C, T, H, W, D_text): run them once per distinct combination.
-        combos, first, inverse = np.unique(
+        combos, first, combo_of = np.unique(
             np.column_stack([index.channels, index.latent_shape, index.text_shape[:, 1]]), axis=0,
             return_index=True, return_inverse=True)
+        combo_of = combo_of.reshape(-1)
+        combo_size = np.bincount(combo_of, minlength=len(combos))
         fits = np.zeros(len(combos), dtype=bool)
-        combo_thw, combo_tokens, skipped = np.zeros((len(combos), 3), np.int64), np.zeros(len(combos), np.int64), Counter()
-        combo_size = np.bincount(inverse.reshape(-1), minlength=len(combos))
+        combo_thw, combo_tokens = np.zeros((len(combos), 3), np.int64), np.zeros(len(combos), np.int64)
+        skipped = Counter()
         for c, (channels, t, h, w, text_dim) in enumerate(combos.tolist()):
             try:
                 combo_thw[c], combo_tokens[c] = check_config(index.key(first[c]), channels, (t, h, w),
@@ -308,13 +310,15 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             except BadSample as e:
                 skipped[e.reason] += int(combo_size[c])
         self._count_skipped(skipped, where=f"index {self.index_path}")
-        kept = np.flatnonzero(fits[inverse.reshape(-1)])
+        kept = np.flatnonzero(fits[combo_of])
         if not len(kept):
             raise ValueError(f"no sample of index {self.index_path!r} fits this configuration "
                              f"(skipped: {dict(skipped)})")
-        kept_combo = inverse.reshape(-1)[kept]
-        self._keys = self._set_table(combo_thw[kept_combo], combo_tokens[kept_combo], np.ones(len(kept), dtype=np.int64))
-        self.dataset = IndexedShardDataset(index.take(kept), self._decode_kwargs())
+        self._keys = self._set_table(combo_thw[combo_of[kept]], combo_tokens[combo_of[kept]],
+                                     np.ones(len(kept), dtype=np.int64))
+        if len(kept) < len(index):
+            index = index.take(kept)
+        self.dataset = IndexedShardDataset(index, self._decode_kwargs())
 
     def _setup_streaming(self) -> None:
         steps = self.steps_per_epoch

@@ -94,6 +94,7 @@ def build_index(shards: list[str], index_path: str | Path, spec: TokenSpec = Tok
 
 
 _ROW_FIELDS = {"key": str, "shard": str, "members": dict, "latent_shape": list, "channels": int}
+_MEMBER_COLUMN = {suffix: i for i, suffix in enumerate(MEMBER_SUFFIXES)}
 _CHUNK_ROWS = 1 << 16  # rows parsed into Python objects before they are packed into numpy columns
 
 
@@ -163,15 +164,15 @@ class SampleIndex:
 
 
 def _ints(value, n: int, minimum: int) -> bool:
-    return (isinstance(value, list) and len(value) == n
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value))
+    """`value` is a list of `n` integers >= minimum (`type is int`: JSON true/false are not)."""
+    return type(value) is list and len(value) == n and all([type(v) is int and v >= minimum for v in value])
 
 
 def _parse_row(row: dict, where: str, shard_ids: dict[str, int]) -> tuple[tuple[int, ...], bytes]:
     """Check one index line; returns it as a flat tuple of ints (the _COLUMNS, shard as its
     number in `shard_ids`, which it extends) and its key as UTF-8 bytes."""
     for field, kind in _ROW_FIELDS.items():
-        if not isinstance(row.get(field), kind) or isinstance(row.get(field), bool):
+        if type(row.get(field)) is not kind:
             raise ValueError(f"{where}: field {field!r} must be a {kind.__name__}, got {row.get(field)!r}")
     if not _ints(row["latent_shape"], 3, 1):
         raise ValueError(f"{where}: field 'latent_shape' must be [T, H, W] integers >= 1, got {row['latent_shape']!r}")
@@ -179,15 +180,15 @@ def _parse_row(row: dict, where: str, shard_ids: dict[str, int]) -> tuple[tuple[
     if text is not None and not _ints(text, 2, 1):
         raise ValueError(f"{where}: field 'text_shape' must be [L, D] integers >= 1 or null, got {text!r}")
     tokens = row.get("tokens", -1)
-    if isinstance(tokens, bool) or not isinstance(tokens, int):
+    if type(tokens) is not int:
         raise ValueError(f"{where}: field 'tokens' must be an int, got {tokens!r}")
     offsets, sizes = [-1] * len(MEMBER_SUFFIXES), [-1] * len(MEMBER_SUFFIXES)
     for suffix, span in row["members"].items():
-        if suffix not in MEMBER_SUFFIXES:
+        if suffix not in _MEMBER_COLUMN:
             raise ValueError(f"{where}: field 'members' has suffix {suffix!r}, expected one of {MEMBER_SUFFIXES}")
         if not _ints(span, 2, 0):
             raise ValueError(f"{where}: member {suffix!r} must be [byte offset, size] integers >= 0, got {span!r}")
-        offsets[MEMBER_SUFFIXES.index(suffix)], sizes[MEMBER_SUFFIXES.index(suffix)] = span
+        offsets[_MEMBER_COLUMN[suffix]], sizes[_MEMBER_COLUMN[suffix]] = span
     key = row["key"].encode()
     shard = shard_ids.setdefault(row["shard"], len(shard_ids))
     return (shard, *offsets, *sizes, *row["latent_shape"], row["channels"], *(text or (-1, -1)), tokens,

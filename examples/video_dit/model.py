@@ -90,7 +90,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
-class SelfAttention(nn.Module):
+class Attention(nn.Module):
+    """q, k, v, o projections and RMS-normed q and k of Wan 2.1's attention; heads of dim D/h."""
+
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
         self.num_heads = num_heads
@@ -98,28 +100,26 @@ class SelfAttention(nn.Module):
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
 
+    def heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, N, D) -> (B, h, N, d)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class SelfAttention(Attention):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, h, N, d)
-        q = apply_rope(heads(self.norm_q(self.q(x))), *rope)
-        k = apply_rope(heads(self.norm_k(self.k(x))), *rope)
-        out = F.scaled_dot_product_attention(q, k, heads(self.v(x)))
-        return self.o(out.transpose(1, 2).flatten(2))
+        q = apply_rope(self.heads(self.norm_q(self.q(x))), *rope)
+        k = apply_rope(self.heads(self.norm_k(self.k(x))), *rope)
+        return self.attend(q, k, self.heads(self.v(x)))
 
 
-class CrossAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, eps: float):
-        super().__init__()
-        self.num_heads = num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q = nn.RMSNorm(dim, eps=eps)
-        self.norm_k = nn.RMSNorm(dim, eps=eps)
-
+class CrossAttention(Attention):
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        q = heads(self.norm_q(self.q(x)))
-        k = heads(self.norm_k(self.k(context)))
-        out = F.scaled_dot_product_attention(q, k, heads(self.v(context)))
-        return self.o(out.transpose(1, 2).flatten(2))
+        """x (B, N, D) attends to the text context (B, L, D)."""
+        q = self.heads(self.norm_q(self.q(x)))
+        k = self.heads(self.norm_k(self.k(context)))
+        return self.attend(q, k, self.heads(self.v(context)))
 
 
 class DiTBlock(nn.Module):

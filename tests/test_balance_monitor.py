@@ -172,6 +172,28 @@ def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
     assert monitor.summary["steps"] == 2 * len(SHAPES)
 
 
+def test_resumed_fit_in_the_same_log_dir_keeps_every_batch_once(tmp_path):
+    # The first fit trains steps 0..6; resuming from the checkpoint at step 3 trains 3..6 again.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(monitor, ckpt_path=None):
+        callbacks = [monitor] + ([] if ckpt_path else [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1,
+                                                                       save_top_k=-1)])
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(tmp_path, name="run",
+                                                                                           version=0),
+                             log_every_n_steps=2, callbacks=callbacks, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(TinyModel(), datamodule=TinyData(cost_model=AffineCost()), ckpt_path=ckpt_path)
+        return trainer
+
+    trainer = fit(LoadBalanceMonitor(verbose=False))
+    first = _read_csv(f"{trainer.logger.log_dir}/{CSV_NAME}")
+    fit(LoadBalanceMonitor(verbose=False), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
+    rows = _read_csv(f"{trainer.logger.log_dir}/{CSV_NAME}")
+    assert [int(r["step"]) for r in rows] == list(range(len(SHAPES)))
+    assert rows[:3] == first[:3]  # the rows before the checkpoint are kept as they were
+
+
 @pytest.mark.cuda
 def test_single_gpu_fit_synchronizes_and_records(tmp_path):
     monitor = LoadBalanceMonitor(cost_model=AffineCost(), verbose=False)

@@ -117,6 +117,8 @@ class LoadBalanceMonitor(Callback):
             os.makedirs(self.log_dir, exist_ok=True)
             if trainer.global_step == 0 and os.path.exists(self.csv_path):
                 os.remove(self.csv_path)  # a fresh fit; a resumed one appends
+            elif os.path.exists(self.csv_path):
+                _drop_rows_from_step(self.csv_path, trainer.global_step)  # trained after the checkpoint
             with open(os.path.join(self.log_dir, META_NAME), "w", encoding="utf-8") as f:
                 json.dump({"load_unit": self.load_unit, "world_size": trainer.world_size,
                            "window": self.window, "fields": list(FIELDS)}, f, indent=1)
@@ -255,6 +257,17 @@ class LoadBalanceMonitor(Callback):
             "monitor_overhead_ms_per_step": overhead_ms_per_step,
             "monitor_overhead_frac": overhead_ms_per_step / mean_step_ms if mean_step_ms > 0 else 0.0,
         }
+
+
+def _drop_rows_from_step(csv_path: str, step: int) -> None:
+    """Remove the rows of optimizer steps >= `step`: a fit resumed from the checkpoint at `step`
+    trains them again, and the file must hold every batch once."""
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    kept = rows[:1] + [row for row in rows[1:] if int(row[1]) < step]
+    if len(kept) < len(rows):
+        with open(csv_path, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(kept)
 
 
 def format_summary(summary: dict, per_rank_means: np.ndarray) -> str:

@@ -276,6 +276,30 @@ def test_datamodule_without_the_methods_is_rejected(tmp_path):
         trainer.fit(VideoDiTModule(**TINY), train_dataloaders=loader)
 
 
+class ManualOptimizationModule(VideoDiTModule):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)["loss"]
+        self.manual_backward(loss)
+        self.optimizers().step()
+        self.optimizers().zero_grad()
+
+
+def test_manual_optimization_is_rejected_before_any_step(tmp_path):
+    # Its training_step steps the optimizer: benchmarking it would train on synthetic batches.
+    torch.manual_seed(0)
+    module = ManualOptimizationModule(**TINY)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+    with pytest.raises(TypeError, match="automatic optimization"):
+        _fit(tmp_path, module, [calib])
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
 def test_time_budget_stops_the_benchmark(tmp_path):
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
                                  cache_path=str(tmp_path / "cache.json"))

@@ -167,6 +167,10 @@ class CostModelCalibration(Callback):
             if not callable(getattr(datamodule, method, None)):
                 raise TypeError(f"CostModelCalibration needs a datamodule with {method}() (an "
                                 f"AdaptiveLoadDataModule); got {type(datamodule).__name__}")
+        if not pl_module.automatic_optimization:  # same module on every rank: every rank raises
+            raise TypeError(f"CostModelCalibration needs automatic optimization; {type(pl_module).__name__} "
+                            "steps its optimizers inside training_step (manual optimization), which would "
+                            "change the parameters during the benchmark")
         start = time.perf_counter()
         seq_lens = seq_len_grid(datamodule.bucket_seq_lens(), self.num_seq_lens)
         grid = calibration_grid(seq_lens, self.batch_sizes, self.max_tokens)

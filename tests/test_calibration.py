@@ -300,6 +300,18 @@ def test_manual_optimization_is_rejected_before_any_step(tmp_path):
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
 
 
+class NoBatchIdxModule(VideoDiTModule):
+    def training_step(self, batch):  # Lightning allows leaving out batch_idx
+        return super().training_step(batch, 0)
+
+
+def test_training_step_without_batch_idx_is_calibrated(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+    trainer, _ = _fit(tmp_path, NoBatchIdxModule(**TINY), [calib])
+    assert [p["status"] for p in calib.points] == ["ok"] * 6 and trainer.global_step == 1
+
+
 def test_time_budget_stops_the_benchmark(tmp_path):
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
                                  cache_path=str(tmp_path / "cache.json"))

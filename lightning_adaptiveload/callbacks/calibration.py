@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_adaptiveload.cost_model import CostModel, plot_fit
 
@@ -326,8 +327,10 @@ class CostModelCalibration(Callback):
         strategy = trainer.strategy
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        # batch_idx is optional in training_step; pass it only if declared, as Lightning's loop does
+        with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
         begin = time.perf_counter()
-        output = strategy.training_step(batch, 0)
+        output = strategy.training_step(batch, 0) if with_idx else strategy.training_step(batch)
         loss = output["loss"] if isinstance(output, dict) else output
         # pre/post_backward of the strategy (DDP's reducer bookkeeping) without the precision
         # plugin's, which would run the user's on_before/after_backward callback hooks.

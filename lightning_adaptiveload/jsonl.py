@@ -9,8 +9,12 @@ from pathlib import Path
 def iter_objects(path: str | Path) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line of a JSONL file; a line that is not a JSON
     object raises ValueError naming `path:line`."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded per line, so a bad byte is reported with its line
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:

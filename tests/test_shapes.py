@@ -75,3 +75,10 @@ def test_empty_file_is_an_error(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="no shapes"):
         read_shapes_jsonl(path)
+
+
+def test_non_utf8_line_names_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"tokens": 5}\n{"tokens": 6, "note": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        read_shapes_jsonl(path)

@@ -8,9 +8,11 @@ One configuration per process (Lightning's launcher re-runs this script for ever
 `run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
 `--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
 shards (drawn from the shipped reference mix, same seed for every configuration) with
-`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (cached: measured once for
-the three unfused configurations and once for the fused one, whose patched blocks are another model
-to the cache key) and LoadBalanceMonitor, and writes `<workdir>/<config>.json`.
+`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (measured once, cached and
+reused by the three unfused configurations) and LoadBalanceMonitor, and writes
+`<workdir>/<config>.json`. `balanced_fused` schedules with the cost model the `balanced` run fitted
+(run that first): the same batches, so the difference is the fused AdaLN kernel (and a second
+calibration, which the patched blocks would otherwise need, stays out of the time budget).
 `report` reads those files and each run's `balance_per_rank.csv` (the monitor's per-rank rows; the
 metrics follow docs/monitoring.md, over the batches after the first WARMUP_STEPS), simulates the
 same policies at 2/8/16/64 ranks with the calibrated cost model, prints a table, and writes the
@@ -97,11 +99,16 @@ def run(args: argparse.Namespace) -> None:
     sc = SCALES[args.scale]
     gpu = args.scale == "h200"
     work = Path(args.workdir)
+    balanced_log_dir = work / "balanced" / "version_0"
+    if fused and not (balanced_log_dir / "calibration_cost_model.json").is_file():
+        raise SystemExit(f"e2e: {args.config} schedules with the balanced run's cost model; run --config balanced "
+                         f"first (no {balanced_log_dir / 'calibration_cost_model.json'})")
     L.seed_everything(0)
     datamodule = AdaptiveLoadDataModule(
         shards=str(work / "shards"), index=str(work / "index.jsonl"), policy=policy, m_mem=sc["m_mem"],
         latent_channels=sc["latent_channels"], text_len=sc["text_len"], text_dim=sc["text_dim"],
-        num_workers=6 if gpu else 0, seed=0, synthesize=args.samples, synthesize_latent_scale=sc["latent_scale"])
+        num_workers=6 if gpu else 0, seed=0, synthesize=args.samples, synthesize_latent_scale=sc["latent_scale"],
+        cost_model=str(balanced_log_dir / "calibration_cost_model.json") if fused else None)
     model = VideoDiTModule(in_channels=sc["latent_channels"], dim=sc["dim"], num_layers=args.layers,
                            num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"],
                            freq_dim=sc["freq_dim"], lr=1e-4, weight_decay=0.01)
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
                                        cache_path=str(work / "calibration_cache.json"))
     monitor = LoadBalanceMonitor(window=20)
     recorder = RunRecorder()
-    callbacks = ([FusedAdaLNSurgery(require_replacement=True)] if fused else []) + [calibration, monitor, recorder]
+    callbacks = [FusedAdaLNSurgery(require_replacement=True) if fused else calibration, monitor, recorder]
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=2,
         strategy=FSDPStrategy(auto_wrap_policy={DiTBlock}) if gpu else "ddp",
@@ -126,7 +133,8 @@ def run(args: argparse.Namespace) -> None:
         "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers,
         "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
         "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s, "peak_mem_gib_per_rank": recorder.peak_gib,
-        "calibration": json.loads((Path(trainer.logger.log_dir) / "calibration.json").read_text()),
+        "calibration": json.loads(((balanced_log_dir if fused else Path(trainer.logger.log_dir))
+                                   / "calibration.json").read_text()),
         "monitor_summary": monitor.summary,
         "losses_rank0": recorder.losses, "samples_rank0": recorder.samples,
         "log_dir": trainer.logger.log_dir,

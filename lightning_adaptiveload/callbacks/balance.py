@@ -83,6 +83,7 @@ class LoadBalanceMonitor(Callback):
     window: steps in the rolling window of `balance/step_time_cv_temporal`.
     sync_cuda: call torch.cuda.synchronize around each step on GPU so the wall time covers the
     step's kernels (it stops the host from running ahead of the GPU at the step boundary).
+    verbose: print the load unit at the start and the summary table at the end (rank 0).
     """
 
     def __init__(self, cost_model: CostModel | None = None, window: int = 50, sync_cuda: bool = True,

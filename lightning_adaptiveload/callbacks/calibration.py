@@ -21,6 +21,7 @@ import random
 import time
 from pathlib import Path
 
+import lightning
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -391,7 +392,7 @@ class CostModelCalibration(Callback):
             "version": VERSION,
             "key": key,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "versions": {"torch": torch.__version__, "lightning": _lightning_version()},
+            "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
             "seconds": round(seconds, 3),
             "from_cache": self.from_cache,
             "m_mem": self.measured_m_mem,
@@ -470,7 +471,3 @@ def _read_cache(path: Path, key: dict) -> dict | None:
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
-
-def _lightning_version() -> str:
-    import lightning
-    return lightning.__version__

@@ -320,3 +320,20 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
     assert [row["key"] for row in dm.dataset.index] == kept
     np.testing.assert_array_equal(dm._keys, schedule_keys(np.array(thw), np.array(tokens)))
     assert {r["seq_len"]: r["samples"] for r in dm.bucket_table()} == dict(Counter(dm._keys.tolist()))
+
+
+def test_collate_keeps_the_majority_shape_on_a_collision():
+    """A streaming bucket of two unplanned equal-token shapes: the minority is skipped, not whichever
+    shape happened to come first; kept latents equal the decoded ones."""
+    from lightning_adaptiveload.data.datamodule import collate_samples
+
+    rng = np.random.default_rng(5)
+    shapes = [(1, 4, 8), (1, 8, 4), (1, 8, 4), (1, 8, 4), (1, 4, 8), (1, 8, 4)]
+    samples = [{"key": f"k{i}", "latent": torch.from_numpy(rng.standard_normal((C, *s)).astype(np.float16)),
+                "text": None, "text_seed": f"k{i}", "latent_shape": s, "seq_len": 8} for i, s in enumerate(shapes)]
+    samples.insert(2, {"key": "bad", "skip": "bad_json", "detail": "x"})
+    batch = collate_samples(samples, text_len=L_TEXT, text_dim=D_TEXT)
+    kept = [s for s in samples if s.get("latent_shape") == (1, 8, 4)]
+    assert batch["keys"] == [s["key"] for s in kept] and batch["latent_shape"] == (1, 8, 4)
+    assert batch["skipped"] == {"bad_json": 1, "shape_collision": 2}
+    torch.testing.assert_close(batch["latents"], torch.stack([s["latent"].float() for s in kept]), rtol=0, atol=0)

@@ -81,8 +81,8 @@ class IndexedShardDataset(Dataset):
 
 def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
     """Batch dict of decoded samples, written straight into float32 batch tensors; skip markers
-    become batch["skipped"] (reason -> count). Samples whose shape differs from the batch's first
-    (two unplanned shapes with equal tokens in one streaming bucket) are skipped as
+    become batch["skipped"] (reason -> count). Samples whose shape differs from the batch's most
+    common one (two unplanned shapes with equal tokens in one streaming bucket) are skipped as
     "shape_collision". Raises if no sample of the batch survived."""
     good = [s for s in samples if "skip" not in s]
     skipped = Counter(s["skip"] for s in samples if "skip" in s)
@@ -90,7 +90,7 @@ def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
         details = "; ".join(s["detail"] for s in samples[:3])
         raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
                            f"indexing? Re-run `adaptiveload index`.")
-    shape = good[0]["latent_shape"]
+    shape = Counter(s["latent_shape"] for s in good).most_common(1)[0][0]  # ties: the first sample's
     skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
     good = [s for s in good if s["latent_shape"] == shape]
     latents = torch.empty(len(good), *good[0]["latent"].shape)

@@ -148,3 +148,15 @@ def test_dry_stream_raises_instead_of_hanging(tmp_path):
     assert len(rank_batches(dm, 2, 0)) == 7
     with pytest.raises(RuntimeError, match="no valid sample in .* shard reads on rank 1"):
         rank_batches(dm, 2, 1)
+
+
+def test_uneven_shard_split_warns(tmp_path, caplog):
+    write_dataset(tmp_path, n=30, shards=6)
+    dm = stream_dm(tmp_path, num_workers=0)
+    with caplog.at_level("WARNING"):
+        dm.build_train_loader(3, 0)  # 6 shards over 3 readers: even
+    assert "readers" not in caplog.text
+    with caplog.at_level("WARNING"):
+        dm.build_train_loader(4, 0)  # 2 readers own 1 shard, 2 own 2: the single shards are read twice as often
+    assert "6 shards over 4 readers (ranks x workers): 2 readers stream 1 shards and read each 100% more often" \
+        in caplog.text

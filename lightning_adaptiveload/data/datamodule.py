@@ -450,6 +450,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                                 cost_model=self.cost_model,
                                 max_seq_len=max(self.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
         keys = {shape: key for key, shape in self._key_shape.items()}
+        readers = num_replicas * max(1, self.num_workers)
+        per_reader, rest = divmod(len(self.shard_paths), readers)
+        if per_reader and rest:
+            # Every reader yields the same number of batches, so a shorter slice is cycled faster.
+            log.warning("adaptiveload data: %d shards over %d readers (ranks x workers): %d readers stream %d "
+                        "shards and read each %.0f%% more often than the others' %d; use a multiple of %d shards "
+                        "for an unbiased mix", len(self.shard_paths), readers, readers - rest, per_reader,
+                        100 / per_reader, per_reader + 1, readers)
         return StreamingLatentDataset(self.shard_paths, plan, keys=keys, decode_kwargs=self._decode_kwargs(),
                                       collate=self._collate(), steps_per_epoch=self.steps_per_epoch, rank=rank,
                                       world_size=num_replicas, seed=self.seed, shuffle_buffer=self.shuffle_buffer,

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -79,7 +80,12 @@ def model_fingerprint(module: torch.nn.Module) -> str:
                      + (f":{patched.__module__}.{patched.__qualname__}" if patched is not None else ""))
     hparams = getattr(module, "hparams", None)
     if hparams:
-        lines.append(json.dumps(dict(hparams), sort_keys=True, default=str))
+        try:
+            text = json.dumps(dict(hparams), sort_keys=True, default=str)
+        except TypeError:  # a nested dict with keys of several types cannot be sorted
+            text = str(sorted(hparams.items()))
+        # no object addresses (a function's str has one): the same hparams give the same key every run
+        lines.append(re.sub(r" at 0x[0-9a-fA-F]+", "", text))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 

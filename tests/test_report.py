@@ -93,6 +93,9 @@ def test_report_bad_inputs(tmp_path):
         main(["report", str(tmp_path / "nope")])
     with pytest.raises(SystemExit, match="no balance_per_rank.csv or metrics.csv"):
         main(["report", str(tmp_path)])
+    for window in ("0", "-3"):  # 0 used to fall back to the default silently, -3 to garbage windows
+        with pytest.raises(SystemExit, match="--window must be >= 2"):
+            main(["report", str(tmp_path), "--window", window])
     (tmp_path / "balance_per_rank.csv").write_text("step,rank\n0,0\n")
     with pytest.raises(ValueError, match="missing columns"):
         main(["report", str(tmp_path)])

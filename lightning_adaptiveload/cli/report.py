@@ -166,11 +166,13 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.logdir)
     if not root.exists():
         raise SystemExit(f"adaptiveload report: LOGDIR {root} does not exist")
+    if args.window is not None and args.window < 2:
+        raise SystemExit(f"adaptiveload report: --window must be >= 2 steps, got {args.window}")
     per_rank = root / CSV_NAME if (root / CSV_NAME).is_file() else _newest(root, CSV_NAME)
     if per_rank is not None:
         meta_path = per_rank.parent / META_NAME
         meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-        window = args.window or int(meta.get("window", 50))
+        window = args.window if args.window is not None else int(meta.get("window", 50))
         cols = read_per_rank_csv(per_rank)
         series = per_step_series(cols, window)
         n, world = cols["load"].shape

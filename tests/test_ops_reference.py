@@ -281,6 +281,10 @@ def test_bad_strides_dtypes_devices_and_params():
         adaln_modulate(x, shift.to("meta"), scale)
     with pytest.raises(ValueError, match="eps must be > 0"):
         adaln_modulate(x, shift, scale, eps=0.0)
+    with pytest.raises(ValueError, match="shift must be a torch.Tensor, got NoneType"):
+        adaln_modulate(x, None, scale)
+    with pytest.raises(ValueError, match="x must be a torch.Tensor, got list"):
+        adaln_modulate([[1.0]], shift, scale)
 
 
 def test_nan_in_x_propagates_to_its_row_only():

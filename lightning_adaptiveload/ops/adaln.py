@@ -136,13 +136,14 @@ def adaln_modulate(
     With fp32 shift/scale and bf16 x this equals Wan 2.1's
     `(norm_fp32(x.float()) * (1 + scale) + shift).type_as(x)` up to fp32 summation order.
     """
-    tensors = {"x": x, "shift": shift, "scale": scale, "weight": weight, "bias": bias}
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
+    for name, t in (("x", x), ("shift", shift), ("scale", scale), ("weight", weight), ("bias", bias)):
+        if t is None and name in ("weight", "bias"):
+            continue
+        if not isinstance(t, Tensor):
             raise ValueError(f"adaln_modulate: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"adaln_modulate: {name} has dtype {t.dtype}, expected one of {FLOAT_DTYPES}")
-        if t is not None and t.device != x.device:
+        if t.device != x.device:
             raise ValueError(f"adaln_modulate: {name} is on {t.device} but x is on {x.device}")
     if x.dim() not in (2, 3):
         raise ValueError(f"adaln_modulate: x must be (B, N, D) or (N, D), got shape {tuple(x.shape)}")

@@ -6,10 +6,28 @@ B*S^p (compute, in units of tokens^p).
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
 POLICIES = ("token_equal", "dual_constraint", "balanced")
+
+
+def check_policy(policy: str) -> str:
+    """`policy`, or a ValueError listing POLICIES."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+def require_int(name: str, value, minimum: int = 1) -> int:
+    """`value` as an int; a ValueError naming `name` unless it is a whole number >= minimum
+    (int, numpy integer or integral float; true/false are not numbers here)."""
+    whole = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def _check_positive(name: str, value) -> None:
@@ -40,8 +58,7 @@ def batch_sizes(seq_lens: np.ndarray, policy: str, m_mem: int, m_comp: float | N
 
     token_equal uses m_mem as its token budget; dual_constraint and balanced need m_comp and p.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    check_policy(policy)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     if policy == "token_equal":
         return np.array([token_equal_batch_size(int(s), m_mem) for s in seq_lens], dtype=np.int64)

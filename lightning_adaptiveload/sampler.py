@@ -28,7 +28,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from lightning_adaptiveload.policies import POLICIES, batch_sizes
+from lightning_adaptiveload.policies import batch_sizes, check_policy, require_int
 
 OVERSIZE = ("drop", "resize")
 STATE_VERSION = 1
@@ -39,9 +39,7 @@ def resolve_compute_budget(policy: str, m_mem: int, longest_seq_len: int, m_comp
     """(m_comp, p) for `policy`: given values win; else from `cost_model` (its `.p` and
     `m_comp(m_mem, longest_seq_len)`, tokens of the longest bucket that is scheduled).
     token_equal needs neither and gets (None, None)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if policy == "token_equal":
+    if check_policy(policy) == "token_equal":
         return None, None
     if p is None and cost_model is not None:
         p = float(cost_model.p)
@@ -253,13 +251,9 @@ class BucketBatchSampler(Sampler):
     def __init__(self, seq_lens, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
                  cost_model=None, num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = True, max_seq_len: int | None = None, oversize: str = "drop"):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1:
-            raise ValueError(f"m_mem must be an integer >= 1 (tokens per batch), got {m_mem!r}")
-        max_seq_len = int(m_mem) if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, bool) or int(max_seq_len) != max_seq_len or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be an integer >= 1 (tokens), got {max_seq_len!r}")
+        check_policy(policy)
+        m_mem = require_int("m_mem (tokens per batch)", m_mem)
+        max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
         world, dist_rank = _dist_world()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = dist_rank if rank is None else int(rank)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
+from lightning_adaptiveload.policies import require_int
 from lightning_adaptiveload.sampler import BucketBatchSampler
 from lightning_adaptiveload.shapes import ShapeMix
 from lightning_adaptiveload.streaming import StreamingBucketBatcher, make_stream_plan
@@ -49,8 +50,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
     sample accounting (samples_per_epoch, steps_per_epoch, dropped_*). progress: a tqdm bar of
     steps on a terminal.
     """
-    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    steps = require_int("steps", steps)
     if num_samples is None:
         seq_lens = mix.per_sample_tokens()
     else:

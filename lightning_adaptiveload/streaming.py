@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from lightning_adaptiveload.policies import POLICIES, batch_sizes
+from lightning_adaptiveload.policies import batch_sizes, check_policy, require_int
 from lightning_adaptiveload.sampler import batch_costs, resolve_compute_budget
 from lightning_adaptiveload.shapes import ShapeMix
 
@@ -128,14 +128,11 @@ class StreamingBucketBatcher:
     def __init__(self, plan: StreamPlan, *, batches_per_epoch: int, seed: int = 0, max_buffer_samples: int = 4096,
                  max_buffer_bytes: int = 4 << 30, nbytes: Callable[[dict], int] = sample_nbytes,
                  worker: int | None = None, num_workers: int | None = None):
-        if plan.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {plan.policy!r}")
-        for name, value in (("batches_per_epoch", batches_per_epoch), ("max_buffer_samples", max_buffer_samples),
-                            ("max_buffer_bytes", max_buffer_bytes)):
-            if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.plan, self.batches_per_epoch, self.seed = plan, int(batches_per_epoch), int(seed)
-        self.max_buffer_samples, self.max_buffer_bytes, self.nbytes = int(max_buffer_samples), int(max_buffer_bytes), nbytes
+        check_policy(plan.policy)
+        self.plan, self.seed, self.nbytes = plan, int(seed), nbytes
+        self.batches_per_epoch = require_int("batches_per_epoch", batches_per_epoch)
+        self.max_buffer_samples = require_int("max_buffer_samples", max_buffer_samples)
+        self.max_buffer_bytes = require_int("max_buffer_bytes", max_buffer_bytes)
         self.worker, self.num_workers = worker, num_workers
         self.epoch = 0
         self.stats: dict = {}

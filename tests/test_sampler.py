@@ -315,3 +315,23 @@ def test_lightning_trainer_uses_it_and_sets_epoch(tmp_path):
         reference = BucketBatchSampler(seq_lens, policy="balanced", m_mem=M_MEM, cost_model=power_model(), seed=4)
         reference.set_epoch(epoch)
         assert [b for e, b in seen if e == epoch] == list(reference)
+
+
+def test_integer_arguments_give_clear_errors():
+    from lightning_adaptiveload.policies import require_int
+    from lightning_adaptiveload.simulate import simulate
+    from lightning_adaptiveload.streaming import StreamingBucketBatcher, make_stream_plan
+    from lightning_adaptiveload.shapes import ShapeMix
+
+    assert require_int("n", 4096.0) == 4096 and require_int("n", np.int64(7)) == 7 and require_int("n", 0, 0) == 0
+    seq = random_seq_lens(100, 0)
+    for bad in (None, "4096", True, 1.5, float("nan"), 0, -3):  # None and str were a TypeError before
+        with pytest.raises(ValueError, match=r"m_mem \(tokens per batch\) must be an integer >= 1"):
+            BucketBatchSampler(seq, policy="token_equal", m_mem=bad)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        BucketBatchSampler(seq, policy="token_equal", m_mem=M_MEM, max_seq_len="long")
+    mix = ShapeMix(tokens=np.array([100, 400]), counts=np.array([5, 5]), latent_thw=-np.ones((2, 3), np.int64))
+    with pytest.raises(ValueError, match="batches_per_epoch must be an integer >= 1, got None"):
+        StreamingBucketBatcher(make_stream_plan(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None)
+    with pytest.raises(ValueError, match="steps must be an integer >= 1, got None"):
+        simulate(mix, None, m_mem=M_MEM, world_size=1, policy="token_equal", steps=None)

@@ -31,7 +31,7 @@ from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, Ba
                                                 decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
                                                 resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.stream import StreamingLatentDataset
-from lightning_adaptiveload.policies import POLICIES, batch_sizes
+from lightning_adaptiveload.policies import batch_sizes, check_policy, require_int
 from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
 from lightning_adaptiveload.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
 from lightning_adaptiveload.streaming import make_stream_plan
@@ -220,14 +220,12 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0):
         super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_policy(policy)
         if oversize not in ("drop", "resize"):
             raise ValueError(f"oversize must be 'drop' or 'resize', got {oversize!r}")
         for name, value in (("m_mem", m_mem), ("latent_channels", latent_channels), ("text_len", text_len),
                             ("text_dim", text_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            require_int(name, value)
         self.save_hyperparameters()
         self.shards, self.index_path, self.policy = shards, index, policy
         self.m_mem, self.m_comp, self.p = int(m_mem), m_comp, p
@@ -321,9 +319,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.dataset = IndexedShardDataset(index, self._decode_kwargs())
 
     def _setup_streaming(self) -> None:
-        steps = self.steps_per_epoch
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"the streaming path (no index) needs steps_per_epoch >= 1, got {steps!r}")
+        require_int("steps_per_epoch (needed on the streaming path, without an index)", self.steps_per_epoch)
         mix_file = self.shapes or self.synthesize_shapes
         probed, probe_skipped = self._probe(1 if mix_file else PROBE_SAMPLES)
         if not probed:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample
+from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample, is_int_list
 from lightning_adaptiveload.jsonl import iter_objects
 from lightning_adaptiveload.sampler import ranges_to_positions
 from lightning_adaptiveload.shapes import TokenSpec
@@ -163,21 +163,16 @@ class SampleIndex:
             key_blob=self.key_blob[ranges_to_positions(key_start, key_len)], key_end=np.cumsum(key_len))
 
 
-def _ints(value, n: int, minimum: int) -> bool:
-    """`value` is a list of `n` integers >= minimum (`type is int`: JSON true/false are not)."""
-    return type(value) is list and len(value) == n and all([type(v) is int and v >= minimum for v in value])
-
-
 def _parse_row(row: dict, where: str, shard_ids: dict[str, int]) -> tuple[tuple[int, ...], bytes]:
     """Check one index line; returns it as a flat tuple of ints (the _COLUMNS, shard as its
     number in `shard_ids`, which it extends) and its key as UTF-8 bytes."""
     for field, kind in _ROW_FIELDS.items():
         if type(row.get(field)) is not kind:
             raise ValueError(f"{where}: field {field!r} must be a {kind.__name__}, got {row.get(field)!r}")
-    if not _ints(row["latent_shape"], 3, 1):
+    if not is_int_list(row["latent_shape"], 3, 1):
         raise ValueError(f"{where}: field 'latent_shape' must be [T, H, W] integers >= 1, got {row['latent_shape']!r}")
     text = row.get("text_shape")
-    if text is not None and not _ints(text, 2, 1):
+    if text is not None and not is_int_list(text, 2, 1):
         raise ValueError(f"{where}: field 'text_shape' must be [L, D] integers >= 1 or null, got {text!r}")
     tokens = row.get("tokens", -1)
     if type(tokens) is not int:
@@ -186,7 +181,7 @@ def _parse_row(row: dict, where: str, shard_ids: dict[str, int]) -> tuple[tuple[
     for suffix, span in row["members"].items():
         if suffix not in _MEMBER_COLUMN:
             raise ValueError(f"{where}: field 'members' has suffix {suffix!r}, expected one of {MEMBER_SUFFIXES}")
-        if not _ints(span, 2, 0):
+        if not is_int_list(span, 2, 0):
             raise ValueError(f"{where}: member {suffix!r} must be [byte offset, size] integers >= 0, got {span!r}")
         offsets[_MEMBER_COLUMN[suffix]], sizes[_MEMBER_COLUMN[suffix]] = span
     key = row["key"].encode()

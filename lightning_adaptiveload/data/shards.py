@@ -165,6 +165,11 @@ def _decode_latent(files: dict[str, bytes], key: str) -> torch.Tensor:
     raise BadSample("missing_latent", f"sample {key!r} has no .latent.npy or .latent.pth (members: {sorted(files)})")
 
 
+def is_int_list(value, n: int, minimum: int) -> bool:
+    """`value` is a list of `n` integers >= minimum (`type is int`: JSON true/false are not)."""
+    return type(value) is list and len(value) == n and all([type(v) is int and v >= minimum for v in value])
+
+
 def decode_meta(data: bytes | None, key: str) -> dict:
     """Parse and check a sample's JSON: an object with "latent_shape" three integers >= 1."""
     if data is None:
@@ -176,8 +181,7 @@ def decode_meta(data: bytes | None, key: str) -> dict:
     if not isinstance(meta, dict):
         raise BadSample("bad_json", f"{key}.json is a {type(meta).__name__}, not an object")
     shape = meta.get("latent_shape")
-    if (not isinstance(shape, list) or len(shape) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)):
+    if not is_int_list(shape, 3, 1):
         raise BadSample("bad_json", f"{key}.json: latent_shape must be [T, H, W] integers >= 1, got {shape!r}")
     return meta
 

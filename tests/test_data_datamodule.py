@@ -337,3 +337,19 @@ def test_collate_keeps_the_majority_shape_on_a_collision():
     assert batch["keys"] == [s["key"] for s in kept] and batch["latent_shape"] == (1, 8, 4)
     assert batch["skipped"] == {"bad_json": 1, "shape_collision": 2}
     torch.testing.assert_close(batch["latents"], torch.stack([s["latent"].float() for s in kept]), rtol=0, atol=0)
+
+
+def test_spawned_workers_read_correct_samples(tmp_path):
+    """A worker started by spawn gets a pickled dataset: it must open shards itself, not reuse
+    descriptor numbers of the parent (which name other files there)."""
+    written = write_dataset(tmp_path, n=30, shards=3)
+    dm = make_dm(tmp_path, m_mem=200, num_workers=2)
+    for i in range(len(dm.dataset)):  # the main process opens every shard
+        dm.dataset[i]
+    loader = torch.utils.data.DataLoader(dm.dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    seen = {}
+    for sample in loader:
+        seen[sample["key"]] = sample["latent"]
+    assert len(seen) == 30
+    for key, latent in seen.items():
+        np.testing.assert_array_equal(latent.float().numpy(), written[key][0])

@@ -70,6 +70,11 @@ class IndexedShardDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    def __getstate__(self) -> dict:
+        # Spawned/forkserver DataLoader workers get a pickled copy: descriptor numbers opened here
+        # would name other files (or none) there, so the copy starts with no open shards.
+        return {**self.__dict__, "_fds": OrderedDict()}
+
     def __getitem__(self, i: int) -> dict:
         key = self.index.key(i)
         try:

@@ -3,6 +3,7 @@ import io
 import json
 from collections import OrderedDict
 import math
+import os
 import pickle
 import tarfile
 
@@ -190,6 +191,13 @@ def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):
         np.testing.assert_array_equal(out["latent"].float().numpy(), good[row["key"]][0].astype(np.float32))
         assert len(fds) <= 2
     assert len(set(fds.values())) == len(fds)
+
+
+def test_read_members_io_error_is_a_bad_sample(tmp_path):
+    fds = OrderedDict([(str(tmp_path), os.open(tmp_path, os.O_RDONLY))])  # pread on a folder: EISDIR
+    with pytest.raises(BadSample, match="read_error: .*member json at byte 0"):
+        read_members(fds, str(tmp_path), {"json": (0, 10)})
+    os.close(fds[str(tmp_path)])
 
 
 def test_truncated_tar_keeps_samples_before_the_cut(tmp_path):

@@ -245,7 +245,10 @@ def read_members(fd_cache: OrderedDict, shard: str, members: dict[str, tuple[int
     fd_cache[shard] = fd
     files = {}
     for suffix, (offset, size) in members.items():
-        data = os.pread(fd, size, offset)
+        try:
+            data = os.pread(fd, size, offset)
+        except OSError as e:  # an I/O error on one sample is that sample's skip, not the run's end
+            raise BadSample("read_error", f"{shard}: member {suffix} at byte {offset}: {e}") from None
         if len(data) != size:
             raise BadSample("read_error", f"{shard}: member {suffix} at byte {offset} is short "
                                           f"({len(data)} of {size} bytes)")

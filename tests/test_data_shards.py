@@ -13,9 +13,9 @@ import torch
 
 from lightning_adaptiveload.cli import main as cli_main
 from lightning_adaptiveload.data.index import build_index, read_index, read_members, scan_shard
-from lightning_adaptiveload.data.shards import (BadSample, decode_sample, encode_sample, fit_shape, resize_latent,
-                                                resolve_shards, shape_for_tokens, stand_in_text, write_shard,
-                                                write_synthetic_shards, write_text)
+from lightning_adaptiveload.data.shards import (BadSample, decode_sample, encode_sample, fit_shape, inspect_sample,
+                                                resize_latent, resolve_shards, shape_for_tokens, stand_in_text,
+                                                write_shard, write_synthetic_shards, write_text)
 from lightning_adaptiveload.shapes import ShapeMix, TokenSpec
 
 SPEC = TokenSpec()
@@ -175,6 +175,28 @@ def test_index_round_trip_and_bad_samples(tmp_path):
         assert row["latent_shape"] == list(latent.shape[1:]) and row["tokens"] == tokens_ref(*latent.shape[1:])
         out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
         np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
+
+
+def test_interrupted_index_leaves_no_file(tmp_path, monkeypatch):
+    import lightning_adaptiveload.data.index as index_mod
+    rng = np.random.default_rng(9)
+    for i in range(3):
+        write_mixed_shard(tmp_path / f"s{i}.tar", rng, n=4)
+    calls = []
+
+    def inspect_then_stop(key, files):
+        calls.append(key)
+        if len(calls) == 6:  # the middle of the second shard: lines already written
+            raise KeyboardInterrupt
+        return inspect_sample(key, files)
+
+    monkeypatch.setattr(index_mod, "inspect_sample", inspect_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s0.tar", "s1.tar", "s2.tar"]
+    monkeypatch.undo()
+    assert build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)[0] == 12
+    assert len(read_index(tmp_path / "index.jsonl")) == 12
 
 
 def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):

@@ -67,11 +67,24 @@ def scan_shard(path: str | Path, read: set[str] | None = None):
 def build_index(shards: list[str], index_path: str | Path, spec: TokenSpec = TokenSpec(),
                 progress: bool = True) -> tuple[int, list[dict]]:
     """Scan `shards` once, write the JSONL index of valid samples to `index_path`.
-    Returns (valid sample count, bad samples as {"shard", "key", "reason", "detail"})."""
+    Returns (valid sample count, bad samples as {"shard", "key", "reason", "detail"}).
+    The file appears only when complete (written aside, then renamed): an interrupted run leaves
+    no partial index that a later run would take for a finished one."""
     index_path = Path(index_path)
     base = index_path.resolve().parent
+    partial = index_path.with_name(index_path.name + ".partial")
+    try:
+        count, bad = _write_index(shards, partial, base, spec, progress)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, index_path)
+    return count, bad
+
+
+def _write_index(shards: list[str], path: Path, base: Path, spec: TokenSpec, progress: bool) -> tuple[int, list[dict]]:
     bad, count = [], 0
-    with open(index_path, "w", encoding="utf-8") as out:
+    with open(path, "w", encoding="utf-8") as out:
         for shard in tqdm(shards, desc="index", unit="shard", disable=not progress):
             rel = os.path.relpath(Path(shard).resolve(), base)
             for key, spans, files, error in scan_shard(shard):

@@ -4,7 +4,8 @@ LoadBalanceMonitor. Three fits in the same two processes (Lightning re-launches 
 rank 1, which then runs the same three fits):
 
   first      max_steps=RESUME_AT, checkpoint at that step (mid-epoch)
-  resumed    from that checkpoint to the end of the epoch
+  resumed    from that checkpoint to the end of the epoch (calibration from the checkpoint: the
+             cache is hidden during this fit)
   reference  one uninterrupted epoch
 
 Each rank writes, per fit, the keys of every batch it trained on (keys_{fit}_rank{r}.jsonl) and the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -79,7 +81,15 @@ def main(out: Path) -> None:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     torch.set_num_threads(1)
     fit(out, "first")
+    # The resumed fit must take its calibration from the checkpoint: the cache (read by rank 0 only)
+    # is hidden meanwhile; a new measurement would not match the sampler's resume state.
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    cache, hidden = out / "calibration_cache.json", out / "calibration_cache.hidden"
+    if rank0:
+        cache.rename(hidden)
     fit(out, "resumed", ckpt_path=str(out / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt"))
+    if rank0:
+        hidden.rename(cache)
     fit(out, "reference")
 
 

@@ -211,6 +211,9 @@ def test_setup_errors(tmp_path):
         AdaptiveLoadDataModule(shards="x", policy="fastest")
     with pytest.raises(ValueError, match="m_mem"):
         AdaptiveLoadDataModule(shards="x", m_mem=0)
+    for bad in (0, "long", 2.5):  # "long" was a bare int() error, 0 an error only at setup
+        with pytest.raises(ValueError, match=r"max_seq_len \(tokens\) must be an integer >= 1"):
+            AdaptiveLoadDataModule(shards="x", max_seq_len=bad)
 
 
 def test_prepare_data_synthesizes_shards_and_index(tmp_path):

@@ -234,7 +234,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.shards, self.index_path, self.policy = shards, index, policy
         self.m_mem, self.m_comp, self.p = int(m_mem), m_comp, p
-        self.max_seq_len = int(m_mem if max_seq_len is None else max_seq_len)
+        self.max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
         self.oversize = oversize
         self.spec = TokenSpec(vae_stride_t, vae_stride_s, tuple(patch), extra_tokens)
         self.latent_channels, self.text_len, self.text_dim = latent_channels, text_len, text_dim

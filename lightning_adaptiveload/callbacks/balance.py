@@ -24,6 +24,7 @@ from lightning_adaptiveload.cost_model import CostModel
 # One row per train batch and rank; the gathered tensor's last axis follows this order.
 FIELDS = ("epoch", "step", "batch_idx", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms")
 CSV_NAME = "balance_per_rank.csv"
+CSV_HEADER = ("epoch", "step", "batch_idx", "rank") + FIELDS[3:]
 META_NAME = "balance_meta.json"
 PROXY_LOAD_UNIT = "tokens^2 (proxy B*S^2: no cost model)"
 _COL = {name: i for i, name in enumerate(FIELDS)}
@@ -228,7 +229,7 @@ class LoadBalanceMonitor(Callback):
         with open(self.csv_path, "a", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             if new_file:
-                writer.writerow(("epoch", "step", "batch_idx", "rank") + FIELDS[3:])
+                writer.writerow(CSV_HEADER)
             # floats as exact float64 text: `adaptiveload report` recomputes CVs of nearly equal loads
             for i in range(rows.shape[1]):
                 for r in range(rows.shape[0]):
@@ -262,11 +263,13 @@ class LoadBalanceMonitor(Callback):
 
 def _drop_rows_from_step(csv_path: str, step: int) -> None:
     """Remove the rows of optimizer steps >= `step`: a fit resumed from the checkpoint at `step`
-    trains them again, and the file must hold every batch once."""
-    with open(csv_path, newline="", encoding="utf-8") as f:
+    trains them again, and the file must hold every batch once. Incomplete rows (a run killed
+    while writing) go too; this runs on rank 0 alone, so it must not raise on them."""
+    with open(csv_path, newline="", encoding="utf-8", errors="replace") as f:
         rows = list(csv.reader(f))
-    kept = rows[:1] + [row for row in rows[1:] if int(row[1]) < step]
-    if len(kept) < len(rows):
+    kept = [list(CSV_HEADER)] + [row for row in rows[1:]
+                                 if len(row) == len(CSV_HEADER) and row[1].isdigit() and int(row[1]) < step]
+    if kept != rows:
         with open(csv_path, "w", newline="", encoding="utf-8") as f:
             csv.writer(f).writerows(kept)
 

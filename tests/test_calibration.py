@@ -278,6 +278,19 @@ def test_any_fit_error_is_handed_to_every_rank_as_a_clear_error(tmp_path, monkey
         _fit(tmp_path, VideoDiTModule(**TINY), [calib])
 
 
+def test_failing_outputs_on_rank_0_stop_every_rank_with_a_clear_error(tmp_path, monkeypatch):
+    # Rank 0 alone writes the files; an error there must be agreed, or the other ranks would train
+    # on and wait for rank 0 in their first collective.
+    def failing_plot(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("lightning_adaptiveload.callbacks.calibration.plot_fit", failing_plot)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+    with pytest.raises(RuntimeError, match="rank 0 failed to write .*OSError: No space left on device"):
+        _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+
+
 def test_datamodule_without_the_methods_is_rejected(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[CostModelCalibration()])

@@ -217,15 +217,22 @@ class CostModelCalibration(Callback):
 
         # trainer.log_dir is a collective (a broadcast): resolve it on every rank, not in rank 0 alone.
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        error = None
         if trainer.is_global_zero:
-            doc = self._document(trainer, key, time.perf_counter() - start)
-            if not self.from_cache:
-                cache_path.parent.mkdir(parents=True, exist_ok=True)
-                cache_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-            self._save_outputs(log_dir, doc, feasible)
-            self._report(trainer, doc, max(seq_lens))
-            if callable(getattr(datamodule, "bucket_table", None)):
-                rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
+            try:
+                doc = self._document(trainer, key, time.perf_counter() - start)
+                if not self.from_cache:
+                    cache_path.parent.mkdir(parents=True, exist_ok=True)
+                    cache_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+                self._save_outputs(log_dir, doc, feasible)
+                self._report(trainer, doc, max(seq_lens))
+                if callable(getattr(datamodule, "bucket_table", None)):
+                    rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
+            except Exception as e:  # raised below on every rank: the others must not train on alone
+                error = e
+        if self._agree(trainer.strategy, error is not None):
+            raise RuntimeError("CostModelCalibration: rank 0 failed to write or report the calibration"
+                               + (f": {type(error).__name__}: {error}" if error else "")) from error
 
     # A resumed fit must schedule with the cost model it started with: the sampler's resume state
     # holds m_mem, m_comp and p, and a new measurement (or a cache since overwritten) would differ.

@@ -5,7 +5,8 @@ Python layer: argument checks, the torch.library custom op and its autograd node
 this layer cost ~40 us per forward and ~0.35 ms per backward (docs/kernel.md); the same code
 runs here, so before/after changes to it show up on CPU. Per variant: forward with autograd
 recording (as in training), forward + backward (`torch.autograd.grad` to x and the (B, 6, D)
-time embedding the shift/scale `chunk` views come from), and backward = their difference.
+time embedding the shift/scale `chunk` views come from), backward = their difference, and the
+reference arithmetic alone (ops/reference.py called directly: what no wrapper can save).
 Times are us per call: the best of `--repeats` averages over `--calls` calls (one thread).
 
     python benchmarks/adaln_host.py --label after --out benchmarks/results/adaln_host_cpu.json
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lightning_adaptiveload import ops
+from lightning_adaptiveload.ops.reference import adaln_bwd_reference, adaln_fwd_reference
 
 BATCH, SEQ, DIM = 1, 4, 8
 
@@ -62,7 +64,13 @@ def bench_case(name: str, x_dtype: torch.dtype, affine: bool, calls: int, repeat
 
     fwd = best_us_per_call(forward, calls, repeats)
     fwd_bwd = best_us_per_call(forward_backward, calls, repeats)
-    return {"case": name, "fwd_us": round(fwd, 1), "fwd_bwd_us": round(fwd_bwd, 1), "bwd_us": round(fwd_bwd - fwd, 1)}
+    with torch.no_grad():
+        args = (x, emb[:, 0:1], emb[:, 1:2], weight, bias, 1e-6)
+        _, mean, rstd = adaln_fwd_reference(*args)
+        ref_fwd = best_us_per_call(lambda: adaln_fwd_reference(*args), calls, repeats)
+        ref_bwd = best_us_per_call(lambda: adaln_bwd_reference(dy, x, emb[:, 1:2], weight, bias, mean, rstd), calls, repeats)
+    return {"case": name, "fwd_us": round(fwd, 1), "fwd_bwd_us": round(fwd_bwd, 1), "bwd_us": round(fwd_bwd - fwd, 1),
+            "reference_fwd_us": round(ref_fwd, 1), "reference_bwd_us": round(ref_bwd, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         bench_case("fp32 x, affine", torch.float32, True, args.calls, args.repeats),
     ]
     print(f"host time per call, us ({args.label}; CPU reference path, (B, N, D) = ({BATCH}, {SEQ}, {DIM}))")
-    print(f"{'case':<34} {'fwd':>7} {'bwd':>7} {'fwd+bwd':>8}")
+    print(f"{'case':<34} {'fwd':>7} {'bwd':>7} {'fwd+bwd':>8} {'ref fwd':>8} {'ref bwd':>8}")
     for r in rows:
-        print(f"{r['case']:<34} {r['fwd_us']:>7.1f} {r['bwd_us']:>7.1f} {r['fwd_bwd_us']:>8.1f}")
+        print(f"{r['case']:<34} {r['fwd_us']:>7.1f} {r['bwd_us']:>7.1f} {r['fwd_bwd_us']:>8.1f}"
+              f" {r['reference_fwd_us']:>8.1f} {r['reference_bwd_us']:>8.1f}")
     runs = json.loads(args.out.read_text())["runs"] if args.out.is_file() else {}
     runs[args.label] = {
         "device": f"CPU ({platform.processor() or platform.machine()}), 1 thread",

@@ -1,12 +1,15 @@
 """Find the compiled AdaLN kernels: prebuilt extension, else a cached JIT build, else none.
 
 Nothing is compiled at import time; the first CUDA call (or ops.backend()) decides once per
-process. Set ADAPTIVELOAD_NO_JIT=1 to never JIT-build (the reference path runs instead).
+process. Set ADAPTIVELOAD_NO_JIT=1 to never JIT-build (the reference path runs instead). When a
+GPU is visible but no kernels are found, that decision is also a RuntimeWarning: the reference
+path is correct but much slower and keeps more memory, which should not go unnoticed.
 """
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -67,5 +70,7 @@ def load_extension() -> tuple[ModuleType | None, str]:
                     result = (_jit_build(), f"cuda: JIT-built from {CSRC_DIR} (cached by torch.utils.cpp_extension)")
                 except Exception as jit_error:  # a failed build must not take training down
                     result = (None, f"reference: JIT build failed: {jit_error}")
+            if result[0] is None:
+                warnings.warn(f"lightning_adaptiveload.ops: CUDA tensors run the AdaLN {result[1]}", RuntimeWarning, stacklevel=2)
     _state["result"] = result
     return result

@@ -196,6 +196,20 @@ def test_resumed_fit_in_the_same_log_dir_keeps_every_batch_once(tmp_path):
     assert rows[:3] == first[:3]  # the rows before the checkpoint are kept as they were
 
 
+def test_unwritable_csv_warns_and_training_goes_on(tmp_path, monkeypatch):
+    # Only rank 0 writes the CSV; an exception there would leave the other ranks in the next gather.
+    def full_disk(self, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LoadBalanceMonitor, "_append_csv", full_disk)
+    monitor = LoadBalanceMonitor(verbose=False)
+    with pytest.warns(UserWarning, match="No space left on device"):
+        trainer = _fit(tmp_path, monitor, TinyData(cost_model=AffineCost()))
+    assert trainer.global_step == len(SHAPES) and monitor.summary["steps"] == len(SHAPES)
+    metrics = [m for m in _read_csv(f"{trainer.logger.log_dir}/metrics.csv") if m.get("balance/load_cv")]
+    assert len(metrics) == 3  # the metrics are still logged
+
+
 @pytest.mark.cuda
 def test_single_gpu_fit_synchronizes_and_records(tmp_path):
     monitor = LoadBalanceMonitor(cost_model=AffineCost(), verbose=False)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_adaptiveload.cost_model import CostModel
 
@@ -184,7 +184,11 @@ class LoadBalanceMonitor(Callback):
         self._rank_sums += rows.sum(axis=1)
         metrics = self._metrics(rows, trainer)
         if trainer.is_global_zero:
-            self._append_csv(rows)
+            try:
+                self._append_csv(rows)
+            except OSError as e:  # rank 0 alone writes: raising would leave the others waiting in a gather
+                rank_zero_warn(f"LoadBalanceMonitor: cannot append to {self.csv_path} ({e}); "
+                               f"{rows.shape[1]} batches of per-rank rows are lost, training goes on")
             step = int(rows[0, -1, _COL["step"]])
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

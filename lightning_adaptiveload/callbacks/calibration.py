@@ -217,7 +217,7 @@ class CostModelCalibration(Callback):
 
         # trainer.log_dir is a collective (a broadcast): resolve it on every rank, not in rank 0 alone.
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        error = None
+        write_error = None
         if trainer.is_global_zero:
             try:
                 doc = self._document(trainer, key, time.perf_counter() - start)
@@ -229,10 +229,10 @@ class CostModelCalibration(Callback):
                 if callable(getattr(datamodule, "bucket_table", None)):
                     rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
             except Exception as e:  # raised below on every rank: the others must not train on alone
-                error = e
-        if self._agree(trainer.strategy, error is not None):
+                write_error = e
+        if self._agree(trainer.strategy, write_error is not None):
             raise RuntimeError("CostModelCalibration: rank 0 failed to write or report the calibration"
-                               + (f": {type(error).__name__}: {error}" if error else "")) from error
+                               + (f": {type(write_error).__name__}: {write_error}" if write_error else "")) from write_error
 
     # A resumed fit must schedule with the cost model it started with: the sampler's resume state
     # holds m_mem, m_comp and p, and a new measurement (or a cache since overwritten) would differ.

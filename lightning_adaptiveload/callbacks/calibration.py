@@ -231,8 +231,9 @@ class CostModelCalibration(Callback):
             except Exception as e:  # raised below on every rank: the others must not train on alone
                 write_error = e
         if self._agree(trainer.strategy, write_error is not None):
-            raise RuntimeError("CostModelCalibration: rank 0 failed to write or report the calibration"
-                               + (f": {type(write_error).__name__}: {write_error}" if write_error else "")) from write_error
+            detail = f": {type(write_error).__name__}: {write_error}" if write_error else ""
+            raise RuntimeError(f"CostModelCalibration: rank 0 failed to write or report the calibration{detail}") \
+                from write_error
 
     # A resumed fit must schedule with the cost model it started with: the sampler's resume state
     # holds m_mem, m_comp and p, and a new measurement (or a cache since overwritten) would differ.

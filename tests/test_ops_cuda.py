@@ -155,6 +155,27 @@ def test_gradients_are_bitwise_deterministic(mod_kind):
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+def test_opcheck_compiled_kernels_including_row_strided_x():
+    """The kernels' outputs have the shapes, strides and dtypes the fake kernels promise (a
+    row-strided x is copied to contiguous rows first), and autograd/compile registration hold."""
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    x = torch.randn(2, 64, 256, generator=gen, device="cuda")
+    x_rows = torch.randn(64, 2, 256, generator=gen, device="cuda").transpose(0, 1)  # (B, N, D), row strides
+    e = torch.randn(2, 6, 256, generator=gen, device="cuda")
+    tok = torch.randn(2, 64, 512, generator=gen, device="cuda")
+    w, b = torch.randn(256, generator=gen, device="cuda"), torch.randn(256, generator=gen, device="cuda")
+    samples = [
+        (x, e[:, 0:1], e[:, 1:2], None, None, 1e-6),
+        (x_rows.bfloat16(), e[:, 0:1], e[:, 1:2], w, b, 1e-6),
+        (x_rows, tok[..., :256], tok[..., 256:], w, None, 1e-5),
+    ]
+    for args in samples:
+        leaves = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(torch.ops.adaptiveload.adaln_fwd, leaves)
+        xx, _, scale, ww, bb, _ = args
+        _, mean, rstd = torch.ops.adaptiveload.adaln_fwd(*args)
+        torch.library.opcheck(torch.ops.adaptiveload.adaln_bwd, (torch.randn_like(xx), xx, scale, ww, bb, mean, rstd))
+
 def test_nan_in_x_stays_in_its_row():
     x = torch.randn(1, 64, 1536, device="cuda").bfloat16()
     x[0, 5, 100] = float("nan")

@@ -242,6 +242,20 @@ def test_fused_adaln_loads_layernorm_state_dict():
     assert set(FusedAdaLN(12).state_dict()) == set()
 
 
+def test_fused_adaln_meta_device_init_like_layernorm():
+    """FSDP materializes meta-device modules with to_empty + reset_parameters (as for nn.LayerNorm)."""
+    with torch.device("meta"):
+        fused = FusedAdaLN(12, elementwise_affine=True)
+    fused.to_empty(device="cpu")
+    with torch.no_grad():
+        fused.weight.fill_(float("nan"))  # what uninitialized memory could hold
+    fused.reset_parameters()
+    ln = torch.nn.LayerNorm(12, eps=1e-6)
+    gen = torch.Generator().manual_seed(23)
+    x, shift, scale = (torch.randn(2, 3, 12, generator=gen) for _ in range(3))
+    assert rel_err(fused(x, shift, scale), ln(x) * (1 + scale) + shift) <= 1e-6
+    FusedAdaLN(12).reset_parameters()  # no parameters: nothing to do, no error
+
 def test_backend_reports_reference_on_cpu_only_machine():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

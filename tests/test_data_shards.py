@@ -328,6 +328,26 @@ def test_synthetic_shards_follow_the_mix(tmp_path):
     assert 0.7 < out["latent"].float().std() < 1.3  # N(0, 1) data, not zeros
 
 
+def test_interrupted_synthesis_leaves_no_tar(tmp_path, monkeypatch):
+    import lightning_adaptiveload.data.shards as shards_mod
+    mix = ShapeMix(tokens=np.array([16]), counts=np.array([1]), latent_thw=np.array([[1, 8, 8]]))
+    real, calls = shards_mod.encode_sample, []
+
+    def encode_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:  # in the third shard
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shards_mod, "encode_sample", encode_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        write_synthetic_shards(mix, 20, tmp_path, spec=SPEC, samples_per_shard=4, latent_channels=4, progress=False)
+    assert not list(tmp_path.glob("*.tar"))
+    monkeypatch.undo()
+    paths = write_synthetic_shards(mix, 20, tmp_path, spec=SPEC, samples_per_shard=4, latent_channels=4, progress=False)
+    assert sorted(tmp_path.glob("*.tar")) == paths and build_index(paths, tmp_path / "i.jsonl", SPEC, progress=False)[0] == 20
+
+
 def test_cli_make_shards_and_index(tmp_path, capsys):
     shapes = tmp_path / "mix.jsonl"
     shapes.write_text('{"frames": 1, "height": 64, "width": 64, "count": 3}\n{"frames": 17, "height": 32, "width": 48}\n')

@@ -371,7 +371,11 @@ def write_synthetic_shards(mix: ShapeMix, n: int, out_dir: str | Path, *, spec: 
     paths = []
     for j, start in enumerate(range(0, n, samples_per_shard)):
         path = out_dir / f"shard-{j:06d}.tar"
-        write_shard(path, samples(start, min(n, start + samples_per_shard)))
+        write_shard(path.with_name(path.name + ".partial"), samples(start, min(n, start + samples_per_shard)))
         paths.append(path)
     bar.close()
+    # Named *.tar only once all are written: an interrupted run leaves no shards that a later
+    # run (DataModule.prepare_data looks for any *.tar) would take for a finished dataset.
+    for path in paths:
+        os.replace(path.with_name(path.name + ".partial"), path)
     return paths

@@ -165,13 +165,22 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: torch.dtype) -> str | None:
-    """Why the fused op cannot reproduce `norm(x) * (1 + scale) + shift` cast to `result_dtype`
-    for these tensors, or None. x (B, N, D); shift, scale (B, 1, D) or (B, N, D)."""
+def upcast_fallback_reason(x: Tensor) -> str | None:
+    """Why the fused op cannot take hidden states x at all, or None. Wan-style blocks (fp32
+    modulation, one cast back to x.dtype) check this on entry and otherwise run their original forward."""
     if x.dtype not in FLOAT_DTYPES:
         return f"x dtype {x.dtype} (the fused op takes {FLOAT_DTYPES})"
     if x.dim() != 3:
         return f"x of shape {tuple(x.shape)} (the fused op takes (B, N, D) here)"
+    return None
+
+
+def fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: torch.dtype) -> str | None:
+    """Why the fused op cannot reproduce `norm(x) * (1 + scale) + shift` cast to `result_dtype`
+    for these tensors, or None. x (B, N, D); shift, scale (B, 1, D) or (B, N, D)."""
+    reason = upcast_fallback_reason(x)
+    if reason is not None:
+        return reason
     batch, seq, dim = x.shape
     for name, t in (("shift", shift), ("scale", scale)):
         if t.dtype not in FLOAT_DTYPES:
@@ -205,16 +214,6 @@ def fused_modulate(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Tensor) 
     return adaln_modulate(
         _unit_inner_stride(x), _unit_inner_stride(shift), _unit_inner_stride(scale), norm.weight, norm.bias, norm.eps
     )
-
-
-def upcast_fallback_reason(x: Tensor) -> str | None:
-    """Why a Wan-style block (fp32 modulation, one cast back to x.dtype) cannot use the fused op
-    for hidden states x, or None. Checked on entry; the block then runs its original forward."""
-    if x.dtype not in FLOAT_DTYPES:
-        return f"x dtype {x.dtype} (the fused op takes {FLOAT_DTYPES})"
-    if x.dim() != 3:
-        return f"x of shape {tuple(x.shape)} (the fused op takes (B, N, D))"
-    return None
 
 
 def fused_modulate_fp32(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

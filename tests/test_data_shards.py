@@ -285,6 +285,7 @@ def test_read_index_columns_equal_the_lines(tmp_path, monkeypatch):
                  "members": {s: tuple(span) for s, span in line["members"].items()}} for line in lines]
     index = read_index(path)
     assert len(index) == len(lines) and list(index) == expected and index[-1] == expected[-1]
+    assert index.key(-1) == lines[-1]["key"] and index.key(-len(lines)) == lines[0]["key"]
     assert len(index.shard_paths) == 3
     rows = np.random.default_rng(12).permutation(len(lines))[:25]
     assert list(index.take(rows)) == [expected[i] for i in rows]

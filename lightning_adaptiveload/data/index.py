@@ -140,6 +140,7 @@ class SampleIndex:
         return len(self.shard)
 
     def key(self, i: int) -> str:
+        i = range(len(self))[i]  # negative i counts from the end, as for the other columns
         start = int(self.key_end[i - 1]) if i > 0 else 0
         return self.key_blob[start: int(self.key_end[i])].tobytes().decode()
 
@@ -153,9 +154,7 @@ class SampleIndex:
 
     def __getitem__(self, i: int) -> dict:
         """Sample i as its index line reads, with "shard" absolute and member spans as tuples."""
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} of an index of {len(self)}")
-        i %= len(self)
+        i = range(len(self))[i]
         text = [int(v) for v in self.text_shape[i]]
         return {"key": self.key(i), "shard": self.shard_path(i), "members": self.members(i),
                 "latent_shape": [int(v) for v in self.latent_shape[i]], "channels": int(self.channels[i]),

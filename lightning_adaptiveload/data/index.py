@@ -114,8 +114,9 @@ _CHUNK_ROWS = 1 << 16  # rows parsed into Python objects before they are packed 
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
     """An index in memory as numpy columns (N samples, S shards): no Python object per sample, so
-    10M samples take about 1.3 GB, and forked DataLoader workers share the pages (a list of
-    dicts is copied page by page into every worker as reference counts change).
+    its arrays take about 125 bytes a sample (1.2 GB at 10M, benchmarks/index_load.py), and forked
+    DataLoader workers share the pages (a list of dicts is copied into every worker page by page
+    as reference counts change).
 
     shard_paths: S absolute shard paths; shard: (N,) int32 position in shard_paths.
     member_offset, member_size: (N, len(MEMBER_SUFFIXES)) int64 bytes into the tar, -1 = absent.

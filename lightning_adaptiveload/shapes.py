@@ -33,20 +33,21 @@ class TokenSpec:
         if int(self.extra_tokens) < 0:
             raise ValueError(f"TokenSpec.extra_tokens must be >= 0, got {self.extra_tokens}")
 
-    def latent_from_pixels(self, frames, height, width):
-        """Latent (T, H, W) of pixel-space (frames, height, width); works on ints or int arrays."""
+    def latent_from_pixels(self, frames, height, width) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Latent (T, H, W) of pixel-space (frames, height, width): int64 arrays (0-d for ints)."""
         frames, height, width = (np.asarray(v, dtype=np.int64) for v in (frames, height, width))
         t = 1 + (frames - 1) // self.vae_stride_t
         return t, height // self.vae_stride_s, width // self.vae_stride_s
 
-    def tokens_from_latent(self, t, h, w):
-        """Tokens of latent (T, H, W): ceil(T/pt) * (H//ph) * (W//pw) + extra_tokens."""
+    def tokens_from_latent(self, t, h, w) -> int | np.ndarray:
+        """Tokens of latent (T, H, W): ceil(T/pt) * (H//ph) * (W//pw) + extra_tokens; an int for scalar
+        input, an int64 array for arrays."""
         pt, ph, pw = self.patch
         t, h, w = (np.asarray(v, dtype=np.int64) for v in (t, h, w))
         tokens = -(-t // pt) * (h // ph) * (w // pw) + self.extra_tokens
         return int(tokens) if tokens.ndim == 0 else tokens
 
-    def tokens_from_pixels(self, frames, height, width):
+    def tokens_from_pixels(self, frames, height, width) -> int | np.ndarray:
         """Tokens of pixel-space (frames, height, width)."""
         return self.tokens_from_latent(*self.latent_from_pixels(frames, height, width))
 

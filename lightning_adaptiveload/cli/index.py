@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=lambda args: run_with_clear_errors("index", run, args))
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     shards = resolve_shards(args.shards)
     spec = TokenSpec(patch=tuple(args.patch), extra_tokens=args.extra_tokens)
     count, bad = build_index(shards, args.output, spec)

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=lambda args: run_with_clear_errors("make-shards", run, args))
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     spec = TokenSpec(vae_stride_t=args.vae_stride_t, vae_stride_s=args.vae_stride_s, patch=tuple(args.patch))
     mix = read_shapes_jsonl(args.shapes, spec)
     paths = write_synthetic_shards(mix, args.n, args.out, spec=spec, samples_per_shard=args.samples_per_shard,

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -466,7 +467,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                                       max_buffer_bytes=self.max_buffer_bytes)
 
     def build_train_loader(self, num_replicas: int | None = None, rank: int | None = None,
-                           epoch_fn=None) -> ResumableLoader:
+                           epoch_fn: Callable[[], int] | None = None) -> ResumableLoader:
         """The train loader of `rank` out of `num_replicas` (default: torch.distributed's, else
         1 and 0), either path. `epoch_fn() -> int` moves it to a new epoch on each iteration."""
         common = dict(num_workers=self.num_workers, pin_memory=torch.cuda.is_available(), epoch_fn=epoch_fn)

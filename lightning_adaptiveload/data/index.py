@@ -35,7 +35,8 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2).lower())
 
 
-def scan_shard(path: str | Path, read: set[str] | None = None):
+def scan_shard(path: str | Path, read: set[str] | None = None
+               ) -> Iterator[tuple[str, dict[str, tuple[int, int]], dict[str, bytes], BadSample | None]]:
     """Yield (key, {suffix: (offset, size)}, {suffix: bytes}, error) per sample of a tar, grouping
     consecutive members of one key as WebDataset does; only members whose suffix is in `read`
     (default: all) have their bytes read. `error` is a BadSample("read_error") for the sample a

@@ -206,7 +206,9 @@ def main() -> None:
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible",
         "load_average_1_5_15min_at_end": list(os.getloadavg()),  # the machine is shared; timings scale with it
         "versions": {"python": platform.python_version(), "numpy": np.__version__,
-                     "lightning_adaptiveload": lightning_adaptiveload.__version__},
+                     "lightning_adaptiveload": lightning_adaptiveload.__version__,
+                     "git_commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                                  text=True).stdout.strip()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "folder")},
         "index_file_bytes": index_bytes,
         "notes": "retained = RSS growth after gc (what the process keeps), peak = VmHWM growth while loading, "

@@ -2,8 +2,9 @@
 
 `setup()` runs before `configure_model` and before the strategy (FSDP, DDP) wraps the model, so
 the blocks keep their classes for auto-wrap and activation-checkpointing policies. Models built
-inside `configure_model` do not exist yet at that point: call `apply_fused_adaln` at the end of
-`configure_model` instead (docs/surgery.md).
+inside `configure_model`, or in the LightningModule's own `setup` (which Lightning calls after the
+callbacks'), do not exist yet at that point: call `apply_fused_adaln` at the end of that hook
+instead (docs/surgery.md).
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class FusedAdaLNSurgery(Callback):
         if self.require_replacement and fused == 0:
             raise RuntimeError(
                 "FusedAdaLNSurgery(require_replacement=True): no AdaLN module was fused in "
-                f"{type(pl_module).__name__}.\n{report}\nIf the model is built in configure_model, call "
+                f"{type(pl_module).__name__}.\n{report}\nIf the model is built in configure_model (or the module's setup), call "
                 "apply_fused_adaln there instead (docs/surgery.md)."
             )
         if self.report is None or report.num_replaced:  # keep the first report across fit/validate stages

@@ -356,3 +356,13 @@ def test_spawned_workers_read_correct_samples(tmp_path):
     assert len(seen) == 30
     for key, latent in seen.items():
         np.testing.assert_array_equal(latent.float().numpy(), written[key][0])
+
+
+def test_shards_and_index_through_a_symlinked_folder(tmp_path):
+    """Clusters often reach data through symlinks: the index resolves its folder, `shards` is
+    given as the link; both name the same shards (was: "refers to samples outside `shards`")."""
+    written = write_dataset(tmp_path / "real", n=30)
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    dm = make_dm(tmp_path / "link", m_mem=200)
+    keys = [k for b in epoch_batches(dm) for k in b["keys"]]
+    assert len(keys) == len(set(keys)) and set(keys) <= set(written)

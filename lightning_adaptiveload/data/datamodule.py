@@ -292,8 +292,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         index = read_index(self.index_path)
         if not len(index):
             raise ValueError(f"index {self.index_path!r} lists no samples")
-        known = {os.path.abspath(p) for p in self.shard_paths}  # the index may hold absolute paths
-        foreign = np.flatnonzero([os.path.abspath(p) not in known for p in index.shard_paths])
+        # realpath on both sides: the index resolves symlinks (its folder's), `shards` may not.
+        known = {os.path.realpath(p) for p in self.shard_paths}
+        foreign = np.flatnonzero([os.path.realpath(p) not in known for p in index.shard_paths])
         if len(foreign):
             raise ValueError(f"index {self.index_path!r} refers to {int(np.isin(index.shard, foreign).sum())} "
                              f"samples in shards outside `shards`, e.g. {index.shard_paths[foreign[0]]!r}")

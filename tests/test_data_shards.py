@@ -236,6 +236,14 @@ def test_truncated_tar_keeps_samples_before_the_cut(tmp_path):
     assert [r[3].reason for r in scan_shard(tmp_path / "garbage.tar")] == ["read_error"]
 
 
+def test_resolve_shards_lists_each_file_once_in_order(tmp_path):
+    for name in ("a", "b", "c"):
+        write_shard(tmp_path / f"{name}.tar", [])
+    tars = [str(tmp_path / f"{name}.tar") for name in ("a", "b", "c")]
+    assert resolve_shards([str(tmp_path / "{b,c}.tar"), str(tmp_path), tars[1]]) == [tars[1], tars[2], tars[0]]
+    assert resolve_shards(str(tmp_path / "{a..c}.tar")) == tars
+
+
 def test_resolve_shards_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing or unreadable"):
         resolve_shards(str(tmp_path / "s-{0..2}.tar"))

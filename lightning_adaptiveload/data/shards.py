@@ -68,7 +68,9 @@ class BadSample(ValueError):
 
 def resolve_shards(shards: str | list[str]) -> list[str]:
     """Tar paths of a brace pattern ("dir/shard-{000000..000009}.tar"), a folder (its *.tar,
-    sorted), or a list of either. Raises a clear error for missing or unreadable paths."""
+    sorted), or a list of either, each file once (first spelling kept: overlapping patterns
+    would otherwise index or stream its samples twice). Raises a clear error for missing or
+    unreadable paths."""
     if isinstance(shards, (str, Path)):
         shards = [shards]
     if not shards:
@@ -86,7 +88,10 @@ def resolve_shards(shards: str | list[str]) -> list[str]:
     missing = [p for p in paths if not os.access(p, os.R_OK) or not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} of {len(paths)} shards missing or unreadable, e.g. {missing[:3]}")
-    return paths
+    unique: dict[str, str] = {}
+    for path in paths:
+        unique.setdefault(os.path.realpath(path), path)
+    return list(unique.values())
 
 
 # --- encoding and writing ------------------------------------------------------------------

@@ -55,7 +55,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         seq_lens = mix.per_sample_tokens()
     else:
         rng = np.random.default_rng([int(seed), 1])
-        seq_lens = rng.choice(mix.tokens, size=int(num_samples), p=mix.counts / mix.counts.sum())
+        seq_lens = rng.choice(mix.tokens, size=require_int("num_samples", num_samples), p=mix.counts / mix.counts.sum())
     sampler = BucketBatchSampler(seq_lens, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
                                  num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len)
     times, tokens, samples = [], [], []

@@ -80,3 +80,5 @@ def test_simulate_bad_input():
         simulate(mix, model, m_mem=65536, world_size=50, policy="token_equal", steps=3)
     with pytest.raises(ValueError, match="steps"):
         simulate(mix, model, m_mem=65536, world_size=1, policy="token_equal", steps=0)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1, got 0"):
+        simulate(mix, model, m_mem=65536, world_size=1, policy="token_equal", steps=3, num_samples=0)

@@ -9,3 +9,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core CI machine two threads contend and stretch
+    training steps by up to 10x (timings are recorded, never asserted)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

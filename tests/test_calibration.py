@@ -20,14 +20,7 @@ TINY = dict(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_d
 SHAPES = {16: (1, 8, 8), 48: (3, 8, 8), 64: (1, 16, 16), 96: (2, 16, 12)}  # tokens -> latent (T, H, W)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core CI machine two threads contend and stretch
-    steps by up to 10x (timings are recorded, never asserted)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class GridDataModule(L.LightningDataModule):

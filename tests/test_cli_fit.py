@@ -16,14 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "configs" / "demo.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core CI machine two threads contend and stretch
-    steps by up to 10x (timings are recorded, never asserted)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_print_config_resolves_example_class_paths_from_the_working_directory():

@@ -9,12 +9,7 @@ from lightning.pytorch.loggers import CSVLogger
 from examples.existing_module import AdaptiveLoadDenoiser, ConvVideoDenoiser, fit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two threads contend on the shared 2-core CI machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_adapted_step_on_a_batch_dict_equals_the_original_step_on_its_tuple():

@@ -214,6 +214,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             synthetic samples there (and the index, if `index` is set and missing).
         synthesize_shapes: shapes JSONL to draw them from (default: the shipped reference mix).
         synthesize_latent_scale: latent H, W scale of synthesized samples (small for CPU demos).
+        index_cache: load the index from its binary cache `<index>.npz` when that was made from the
+            index's current bytes, and (re)write it after a parse; False: always parse, write nothing.
     """
 
     def __init__(self, shards: str | list[str], index: str | None = None, policy: str = "balanced",
@@ -224,7 +226,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  num_workers: int = 2, seed: int = 0, steps_per_epoch: int | None = None,
                  shuffle_buffer: int = 64, max_buffer_samples: int = 4096, max_buffer_bytes: int = 1 << 30,
                  shapes: str | None = None, synthesize: int | None = None,
-                 synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0):
+                 synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0,
+                 index_cache: bool = True):
         super().__init__()
         check_policy(policy)
         if oversize not in ("drop", "resize"):
@@ -244,6 +247,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.max_buffer_samples, self.max_buffer_bytes = max_buffer_samples, max_buffer_bytes
         self.synthesize, self.synthesize_shapes = synthesize, synthesize_shapes
         self.synthesize_latent_scale = synthesize_latent_scale
+        self.index_cache = index_cache
         self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
         self.skipped: Counter = Counter()
         self.dataset: IndexedShardDataset | None = None
@@ -289,7 +293,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         return keys
 
     def _setup_indexed(self) -> None:
-        index = read_index(self.index_path)
+        index = read_index(self.index_path, cache=self.index_cache)
         if not len(index):
             raise ValueError(f"index {self.index_path!r} lists no samples")
         # realpath on both sides: the index resolves symlinks (its folder's), `shards` may not.

@@ -12,6 +12,13 @@ sample bytes, so no real shards are needed. Then, each in a fresh Python process
           shard and member spans the way IndexedShardDataset does; its private dirty memory
           growth is the part of the index copied into that worker (copy-on-write)
 
+with the binary cache off (`cache=False`, `index_cache=False`), and for this checkout also:
+
+  hash          file_fingerprint(path): stat + sha256 of the index, what every cached load pays
+  cache_write   read_index(path) without a cache: parse, hash, write <index>.npz
+  cached        read_index(path) with a valid cache: hash, load the npz
+  cached_setup  AdaptiveLoadDataModule.setup() with a valid cache
+
 for this checkout and, with `--baseline <commit>`, for that commit's package (`git archive`), so
 the table compares the columnar index with the list of dicts it replaced.
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import os
 import platform
@@ -40,6 +48,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PHASES = ("read", "setup", "worker")
+CACHE_PHASES = ("hash", "cache_write", "cached", "cached_setup")  # this checkout only, in this order
 
 
 def rss_bytes() -> int:
@@ -112,21 +121,28 @@ def child(phase: str, folder: Path) -> dict:
     import lightning_adaptiveload.data.datamodule as datamodule
     from lightning_adaptiveload.data.index import read_index
 
+    # phases without "cache" in their name parse; a baseline older than the cache has no such switch
+    use_cache = "cache" in phase
+    has_cache = "cache" in inspect.signature(read_index).parameters
     gc.collect()
     before = rss_bytes()
     start = time.perf_counter()
-    if phase == "setup":
+    if phase in ("setup", "cached_setup"):
         dm = datamodule.AdaptiveLoadDataModule(shards=str(folder), index=str(folder / "index.jsonl"),
-                                               policy="token_equal", m_mem=1 << 17, num_workers=0)
+                                               policy="token_equal", m_mem=1 << 17, num_workers=0,
+                                               **({"index_cache": use_cache} if has_cache else {}))
         dm.setup("fit")
         held = dm
+    elif phase == "hash":
+        from lightning_adaptiveload.data.index import file_fingerprint
+        held = file_fingerprint(folder / "index.jsonl")
     else:
-        held = read_index(folder / "index.jsonl")
+        held = read_index(folder / "index.jsonl", **({"cache": use_cache} if has_cache else {}))
     seconds = time.perf_counter() - start
     gc.collect()
     result = {"phase": phase, "module": datamodule.__file__, "seconds": seconds,
               "retained_bytes": rss_bytes() - before, "peak_growth_bytes": peak_rss_bytes() - before}
-    index = held.dataset.index if phase == "setup" and hasattr(held.dataset, "index") else held
+    index = held.dataset.index if phase.endswith("setup") and hasattr(held.dataset, "index") else held
     if hasattr(index, "key_blob"):  # columnar: the exact size of its arrays
         result["array_bytes"] = sum(v.nbytes for v in vars(index).values() if isinstance(v, np.ndarray))
     if phase == "worker":
@@ -158,7 +174,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", help="git commit whose package to measure as well (e.g. the list-of-dicts index)")
     parser.add_argument("--out", default=str(RESULTS / "index_load.json"))
-    parser.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=PHASES + CACHE_PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -183,21 +199,28 @@ def main() -> None:
                                      check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
             versions = {f"baseline {args.baseline}": old, **versions}
-        rows = []
-        for (name, root), phase in tqdm([(v, p) for v in versions.items() for p in PHASES], desc="measure"):
+        runs = [(v, p) for v in versions.items() for p in PHASES] + [(("this checkout", REPO), p) for p in CACHE_PHASES]
+        rows, cache_path = [], index_path.with_name(index_path.name + ".npz")
+        for (name, root), phase in tqdm(runs, desc="measure"):
+            if phase == "cache_write":
+                cache_path.unlink(missing_ok=True)
+            written = cache_path.stat().st_ino if phase.startswith("cached") else None
             result = run_child(phase, tmp / "data", root)
+            if written is not None and cache_path.stat().st_ino != written:
+                raise RuntimeError(f"{phase}: the cache was rewritten, so this run parsed instead of loading it")
             if not result["module"].startswith(str(root)):
                 raise RuntimeError(f"{name}: measured {result['module']}, not the package under {root}")
             rows.append({"version": name, **result, "module": str(Path(result["module"]).relative_to(root))})
-        index_bytes = index_path.stat().st_size
+        index_bytes, cache_bytes = index_path.stat().st_size, cache_path.stat().st_size
 
-    print(f"\n{args.lines} index lines, {args.shards} shards")
-    print(f"{'version':<22} {'phase':<7} {'seconds':>8} {'kept MiB':>9} {'B/sample':>9} {'peak MiB':>9} "
+    print(f"\n{args.lines} index lines ({index_bytes / 2**20:.0f} MiB), {args.shards} shards, "
+          f"cache {cache_bytes / 2**20:.0f} MiB")
+    print(f"{'version':<22} {'phase':<12} {'seconds':>8} {'kept MiB':>9} {'B/sample':>9} {'peak MiB':>9} "
           f"{'worker copy MiB':>16} {'arrays B/sample':>16}")
     for r in rows:
         copied = f"{r['worker_copied_bytes'] / 2**20:>16.0f}" if "worker_copied_bytes" in r else f"{'':>16}"
         arrays = f"{r['array_bytes'] / args.lines:>16.0f}" if "array_bytes" in r else f"{'':>16}"
-        print(f"{r['version']:<22} {r['phase']:<7} {r['seconds']:>8.1f} {r['retained_bytes'] / 2**20:>9.0f} "
+        print(f"{r['version']:<22} {r['phase']:<12} {r['seconds']:>8.2f} {r['retained_bytes'] / 2**20:>9.0f} "
               f"{r['retained_bytes'] / args.lines:>9.0f} {r['peak_growth_bytes'] / 2**20:>9.0f} {copied} {arrays}")
     doc = {
         "benchmark": "index_load",
@@ -211,10 +234,14 @@ def main() -> None:
                                                   text=True).stdout.strip()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "folder")},
         "index_file_bytes": index_bytes,
+        "cache_file_bytes": cache_bytes,
         "notes": "retained = RSS growth after gc (what the process keeps), peak = VmHWM growth while loading, "
                  "worker copy = private dirty growth of a forked child reading every sample's key, shard and "
                  "member spans (pages copied from the parent by reference counting), arrays = nbytes of the columnar "
-                 "index's numpy arrays (setup: of the samples kept). Each row is one fresh process.",
+                 "index's numpy arrays (setup: of the samples kept). Each row is one fresh process. read/setup/worker "
+                 "run with the index cache off; hash = stat + sha256 of the index file alone; cache_write = "
+                 "read_index without a cache (parse + hash + write <index>.npz); cached / cached_setup = read_index / "
+                 "DataModule.setup() with a valid cache (hash + npz load).",
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ An index is JSONL, one valid sample a line:
      (bytes into the tar), "latent_shape": [T, H, W], "channels": C, "text_shape": [L, D] | null,
      "tokens": int (under the TokenSpec the index was built with)}
 The map-style dataset reads a sample with one positioned read per member (`read_members`).
+`read_index` keeps the parsed columns in `<index>.npz`, used only while it matches the index's bytes.
 """
 from __future__ import annotations
 

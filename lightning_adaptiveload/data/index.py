@@ -237,7 +237,8 @@ def read_index(path: str | Path, cache: bool = True) -> SampleIndex:
         return _as_index(base, *cached)
     shards, arrays = _parse_index(path)
     after = os.stat(path)
-    # the file changed while it was parsed: the arrays may match neither the hash nor the new bytes
+    # written only if the file did not change while it was parsed: else the arrays may be of other
+    # bytes than the hash (a later load would then reparse, unless the file went back to the hashed bytes)
     if (after.st_ino, after.st_size, after.st_mtime_ns) == (source.inode, source.size, source.mtime_ns):
         _write_cache(cache_path, source, shards, arrays)
     return _as_index(base, shards, arrays)

@@ -37,10 +37,6 @@ def random_lines(rng, n: int) -> list[dict]:
     return lines
 
 
-def write_lines(path, lines) -> None:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-
-
 def expected_rows(path, lines) -> list[dict]:
     """The lines as SampleIndex rows read, worked out from the JSON alone."""
     base = path.resolve().parent
@@ -63,7 +59,7 @@ def forbid_parse(monkeypatch) -> None:
 def index_file(tmp_path, n=50, seed=0):
     lines = random_lines(np.random.default_rng(seed), n)
     path = tmp_path / "index.jsonl"
-    write_lines(path, lines)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path, lines
 
 

@@ -13,28 +13,16 @@ import pytest
 import lightning_adaptiveload.data.index as index_mod
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index import index_cache_path, read_index
+from test_data_shards import random_index_lines
 
 ARRAYS = ("shard", "member_offset", "member_size", "latent_shape", "channels", "text_shape", "tokens", "key_blob",
           "key_end")
 
 
 def random_lines(rng, n: int) -> list[dict]:
-    """Index lines with member subsets, non-ASCII keys of varied length, relative and absolute shards,
-    text or none, tokens or none; every member offset has 9 digits (so one can be edited in place)."""
-    suffixes = ["latent.npy", "latent.pth", "json", "text.npy"]
-    lines = []
-    for i in range(n):
-        members = {s: [int(rng.integers(10**8, 10**9)), int(rng.integers(0, 2**33))]
-                   for s in suffixes if rng.random() < 0.6}
-        members.setdefault("json", [int(rng.integers(10**8, 10**9)), 60])
-        line = {"key": f"k{i}" + "é" * int(rng.integers(0, 3)) + "x" * int(rng.integers(0, 20)),
-                "shard": ["a.tar", "sub/b.tar", "/abs/c.tar"][int(rng.integers(3))], "members": members,
-                "latent_shape": [int(v) for v in rng.integers(1, 100, 3)], "channels": int(rng.integers(1, 64)),
-                "text_shape": None if rng.random() < 0.5 else [int(v) for v in rng.integers(1, 5000, 2)]}
-        if rng.random() < 0.8:
-            line["tokens"] = int(rng.integers(1, 10**6))
-        lines.append(line)
-    return lines
+    """Random index lines (see test_data_shards) whose member offsets all have 9 digits, so one can
+    be edited in place without changing the file's size."""
+    return random_index_lines(rng, n, offsets=(10**8, 10**9), with_json=True)
 
 
 def expected_rows(path, lines) -> list[dict]:

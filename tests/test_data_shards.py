@@ -265,14 +265,17 @@ def test_read_index_errors(tmp_path):
         read_index(tmp_path / "nope.jsonl")
 
 
-def random_index_lines(rng, n: int) -> list[dict]:
+def random_index_lines(rng, n: int, offsets: tuple[int, int] = (0, 2**40), with_json: bool = False) -> list[dict]:
     """Index lines with every optional part varied: key lengths and non-ASCII keys, member subsets,
-    absolute and relative shards, text or none, tokens or none."""
+    absolute and relative shards, text or none, tokens or none. Member offsets are drawn from
+    `offsets`; `with_json` makes every line have a json member."""
     suffixes = ["latent.npy", "latent.pth", "json", "text.npy"]
     lines = []
     for i in range(n):
-        members = {s: [int(rng.integers(0, 2**40)), int(rng.integers(0, 2**33))]
+        members = {s: [int(rng.integers(*offsets)), int(rng.integers(0, 2**33))]
                    for s in suffixes if rng.random() < 0.6}
+        if with_json:
+            members.setdefault("json", [int(rng.integers(*offsets)), 60])
         line = {"key": f"dir{i % 3}/s{i}" + "é" * int(rng.integers(0, 3)) + "x" * int(rng.integers(0, 30)),
                 "shard": str(["a.tar", "sub/b.tar", "/abs/c.tar"][rng.integers(3)]), "members": members,
                 "latent_shape": [int(v) for v in rng.integers(1, 100, 3)], "channels": int(rng.integers(1, 64)),

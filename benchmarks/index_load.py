@@ -30,12 +30,10 @@ Prints a table and writes benchmarks/results/index_load.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import inspect
 import json
 import os
-import platform
 import subprocess
 import sys
 import tarfile
@@ -183,7 +181,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    import lightning_adaptiveload
+    from _meta import cpu_run_meta  # imports the package: only here, not in the measured children
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "data").mkdir()
@@ -222,16 +220,8 @@ def main() -> None:
         arrays = f"{r['array_bytes'] / args.lines:>16.0f}" if "array_bytes" in r else f"{'':>16}"
         print(f"{r['version']:<22} {r['phase']:<12} {r['seconds']:>8.2f} {r['retained_bytes'] / 2**20:>9.0f} "
               f"{r['retained_bytes'] / args.lines:>9.0f} {r['peak_growth_bytes'] / 2**20:>9.0f} {copied} {arrays}")
-    doc = {
-        "benchmark": "index_load",
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible",
-        "load_average_1_5_15min_at_end": list(os.getloadavg()),  # the machine is shared; timings scale with it
-        "versions": {"python": platform.python_version(), "numpy": np.__version__,
-                     "lightning_adaptiveload": lightning_adaptiveload.__version__,
-                     "git_commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                                  text=True).stdout.strip()},
+    git_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    doc = cpu_run_meta("index_load", git_commit=git_commit.stdout.strip()) | {
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "folder")},
         "index_file_bytes": index_bytes,
         "cache_file_bytes": cache_bytes,

@@ -11,10 +11,8 @@ whether any m_comp could reach the paper's CV reduction under random (Open-Sora)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
-import sys
 from importlib.resources import files
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import lightning_adaptiveload
+from _meta import cpu_run_meta
 from lightning_adaptiveload.cost_model import load_cost_model
 from lightning_adaptiveload.policies import POLICIES
 from lightning_adaptiveload.shapes import read_shapes_jsonl
@@ -105,14 +103,9 @@ def main() -> None:
         print(f"{'PASS' if c['passed'] else 'MISS'}  {c['world_size']:>3} ranks  {c['target']:<45} {c['value']:.4f}")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "benchmark": "policies",
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    doc = cpu_run_meta("policies", torch=torch.__version__) | {
         "device": f"simulation on CPU ({platform.processor() or platform.machine()}); step times predicted "
                   f"by the cost model fitted to {Path(args.cost_model).name}",
-        "versions": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-                     "lightning_adaptiveload": lightning_adaptiveload.__version__},
         "cost_model": {"form": model.form, "params": model.params, "p": model.p, "quality": model.quality},
         "settings": {"shapes": Path(args.shapes).name, "m_mem": args.m_mem, "steps": args.steps, "seed": args.seed},
         "rows": rows,

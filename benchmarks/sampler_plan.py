@@ -10,12 +10,8 @@ Targets: planning <= 10 s and <= 1 GiB.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import resource
-import sys
 import time
 import tracemalloc
 from importlib.resources import files
@@ -25,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import lightning_adaptiveload
+from _meta import cpu_run_meta
 from lightning_adaptiveload.cost_model import load_cost_model
 from lightning_adaptiveload.policies import POLICIES
 from lightning_adaptiveload.sampler import BucketBatchSampler
@@ -97,14 +93,7 @@ def main() -> None:
     print(f"worst init+plan {worst_s:.2f} s, worst traced peak {worst_bytes / 2**20:.0f} MiB: {checks}")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "benchmark": "sampler_plan",
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible",
-        "load_average_1_5_15min_at_end": list(os.getloadavg()),  # the machine is shared; timings scale with it
-        "versions": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-                     "lightning_adaptiveload": lightning_adaptiveload.__version__},
+    doc = cpu_run_meta("sampler_plan", torch=torch.__version__) | {
         "settings": vars(args),
         "rows": rows,
         "process_peak_rss_bytes": rss_peak,

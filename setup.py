@@ -48,8 +48,11 @@ setup(
     version="0.1.0",
     description="Load-balanced bucketing and a fused AdaLN CUDA kernel for video DiT training with PyTorch Lightning",
     python_requires=">=3.10",
-    packages=find_packages(include=["lightning_adaptiveload", "lightning_adaptiveload.*"]),
-    package_data={"lightning_adaptiveload": ["data/*.jsonl", "data/*.json"]},
+    # csrc/ also ships inside the package, so an install without a prebuilt _C can JIT-build it.
+    packages=find_packages(include=["lightning_adaptiveload", "lightning_adaptiveload.*"]) + ["lightning_adaptiveload.csrc"],
+    package_dir={"lightning_adaptiveload.csrc": "csrc"},
+    package_data={"lightning_adaptiveload": ["data/*.jsonl", "data/*.json"],
+                  "lightning_adaptiveload.csrc": ["*.h", "*.cuh", "*.cu", "*.cpp", "*.json"]},
     install_requires=[
         "lightning>=2.4",
         "torch>=2.4",

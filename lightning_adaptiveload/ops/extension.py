@@ -15,7 +15,11 @@ from types import ModuleType
 
 import torch
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"  # present in a source checkout / editable install
+_PACKAGE = Path(__file__).resolve().parents[1]
+# Installed wheels carry the sources as lightning_adaptiveload/csrc (setup.py); a source checkout or
+# editable install has them at the repository root.
+CSRC_DIR = next((d for d in (_PACKAGE / "csrc", _PACKAGE.parent / "csrc") if (d / "build_flags.json").is_file()),
+                _PACKAGE.parent / "csrc")
 BUILD_FLAGS_FILE = CSRC_DIR / "build_flags.json"  # shared with setup.py
 
 _state: dict = {}

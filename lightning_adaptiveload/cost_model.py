@@ -232,8 +232,16 @@ class CostModel:
         t = _PREDICT[self.form](self.params, b, s)
         return float(t) if np.ndim(t) == 0 else t
 
+    @property
+    def dual_p(self) -> float:
+        """Exponent for the dual-constraint rule: max(p, 1). A fitted p below 1 (step time growing
+        slower than tokens: launch- or overhead-bound shapes, e.g. a tiny model) would, as a compute
+        bound, cap short buckets far below their memory limit for no predicted saving; with p = 1
+        the rule falls back to token-equal batch sizes there."""
+        return max(self.p, 1.0)
+
     def m_comp(self, m_mem: int, ref_seq_len: int) -> float:
-        """Compute budget (tokens^p) for the dual-constraint rule: B_ref * S_ref^p with
+        """Compute budget (tokens^p, p = `dual_p`) for the dual-constraint rule: B_ref * S_ref^p with
         S_ref = ref_seq_len and B_ref = max(1, m_mem // S_ref), the batch S_ref gets at the memory
         limit. Buckets then get at most the compute of S_ref's memory-limited batch.
 
@@ -247,7 +255,7 @@ class CostModel:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         b_ref = max(1, int(m_mem) // int(ref_seq_len))
         # the slack keeps floor(M_comp / S_ref^p) == B_ref despite float rounding
-        return b_ref * float(ref_seq_len) ** self.p * (1.0 + 1e-9)
+        return b_ref * float(ref_seq_len) ** self.dual_p * (1.0 + 1e-9)
 
     def to_json(self, path) -> None:
         """Write the model as plain JSON (see docs/cost_model.md for the format)."""

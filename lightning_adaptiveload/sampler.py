@@ -36,13 +36,13 @@ STATE_VERSION = 1
 
 def resolve_compute_budget(policy: str, m_mem: int, longest_seq_len: int, m_comp: float | None = None,
                            p: float | None = None, cost_model=None) -> tuple[float | None, float | None]:
-    """(m_comp, p) for `policy`: given values win; else from `cost_model` (its `.p` and
+    """(m_comp, p) for `policy`: given values win; else from `cost_model` (its `.dual_p` and
     `m_comp(m_mem, longest_seq_len)`, tokens of the longest bucket that is scheduled).
     token_equal needs neither and gets (None, None)."""
     if check_policy(policy) == "token_equal":
         return None, None
     if p is None and cost_model is not None:
-        p = float(cost_model.p)
+        p = float(cost_model.dual_p)
     if m_comp is None and cost_model is not None:
         m_comp = float(cost_model.m_comp(int(m_mem), int(longest_seq_len)))
     if m_comp is None or p is None:

@@ -327,3 +327,24 @@ def test_plot_fit_writes_png(tmp_path):
     plot_fit(model, b, s, t, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10000
+
+
+def test_sub_linear_fit_falls_back_to_token_equal_in_the_dual_rule():
+    """An overhead-bound curve (time nearly flat in B*S) fits p < 1; as a compute cap it would give
+    short buckets B = 1. The rule uses dual_p = max(p, 1), i.e. token-equal batch sizes."""
+    rng = np.random.default_rng(3)
+    b = rng.integers(1, 16, size=60)
+    s = rng.integers(16, 512, size=60)
+    t = 6.0 + 1.5 * (b * s) ** 0.1 * rng.uniform(0.97, 1.03, size=60)
+    model = CostModel.fit(b, s, t, form="power")
+    assert model.p < 1 and model.dual_p == 1.0
+    m_mem, seq = 256, np.array([16, 40, 100, 256])
+    m_comp = model.m_comp(m_mem, int(seq.max()))
+    assert m_comp == pytest.approx(1 * 256.0, rel=1e-8)  # B_ref * S_ref^1
+    got = batch_sizes(seq, "dual_constraint", m_mem, m_comp, model.dual_p)
+    assert got.tolist() == [max(1, m_mem // int(x)) for x in seq]
+
+
+def test_dual_p_is_p_above_one():
+    model = CostModel("power", {"a": 1.0, "b": 1e-4, "p": 1.3}, 1.3, {})
+    assert model.dual_p == 1.3

@@ -335,3 +335,15 @@ def test_integer_arguments_give_clear_errors():
         StreamingBucketBatcher(make_stream_plan(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got None"):
         simulate(mix, None, m_mem=M_MEM, world_size=1, policy="token_equal", steps=None)
+
+
+def test_cost_model_with_sub_linear_p_gives_token_equal_batches():
+    """resolve the compute budget from a cost model whose fitted p < 1 (overhead-bound
+    calibration): every bucket keeps its memory-limited batch instead of collapsing to B = 1."""
+    model = CostModel("power", {"a": 6.0, "b": 1.5, "p": 0.09}, 0.09, {})
+    seq_lens = np.random.default_rng(0).choice([16, 32, 64, 128, 256], size=400)
+    sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=256, cost_model=model, num_replicas=2, rank=0)
+    assert sampler.p == 1.0
+    for batch in sampler:
+        s = int(seq_lens[batch[0]])
+        assert len(batch) == token_equal_batch_size(s, 256)

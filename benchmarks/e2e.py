@@ -2,22 +2,25 @@
 
 One configuration per process (Lightning's launcher re-runs this script for every rank):
 
-    python benchmarks/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 480]
-    python benchmarks/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e_2xh200.json
+    python benchmarks/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 400] [--devices 2]
+    python benchmarks/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e/e2e_2xh200.json
 
 `run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
 `--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
 shards (drawn from the shipped reference mix, same seed for every configuration) with
-`Trainer(strategy=FSDP, precision="bf16-mixed")`, CostModelCalibration (measured once, cached and
-reused by the three unfused configurations) and LoadBalanceMonitor, and writes
-`<workdir>/<config>.json`. `balanced_fused` schedules with the cost model the `balanced` run fitted
-(run that first): the same batches, so the difference is the fused AdaLN kernel (and a second
-calibration, which the patched blocks would otherwise need, stays out of the time budget).
+`Trainer(strategy=FSDP, precision="bf16-mixed", devices=--devices)`, CostModelCalibration
+(measured once, cached and reused by the unfused configurations) and LoadBalanceMonitor, and
+writes `<workdir>/<config>.json`. `dual_constraint` first compares its epoch plan with
+token_equal's under token_equal's calibrated cost model: when they are the same batches in the
+same order it records that and does not train. `balanced_fused` schedules with the cost model the
+`balanced` run fitted (run that first): the same batches, so the difference is the fused AdaLN
+kernel (and a second calibration, which the patched blocks would otherwise need, stays out of the
+time budget).
 `report` reads those files and each run's `balance_per_rank.csv` (the monitor's per-rank rows; the
 metrics follow docs/monitoring.md, over the batches after the first WARMUP_STEPS), simulates the
-same policies at 2/8/16/64 ranks with the calibrated cost model, prints a table, and writes the
-JSON and a PNG. Throughput is tokens of all ranks per second of epoch wall time (the paper's
-measure; policies drop different samples, so samples/s is a poorer comparison).
+same policies at the run's rank count and at 8/16/64 ranks with the calibrated cost model, prints
+a table, and writes the JSON and a PNG. Throughput is tokens of all ranks per second of epoch wall
+time (the paper's measure; policies drop different samples, so samples/s is a poorer comparison).
 """
 from __future__ import annotations
 
@@ -94,6 +97,34 @@ class RunRecorder(Callback):
         self.peak_gib = trainer.strategy.all_gather(peak).reshape(-1).tolist()  # every rank calls it
 
 
+def make_datamodule(args: argparse.Namespace, work: Path, policy: str, cost_model: str | None
+                    ) -> AdaptiveLoadDataModule:
+    """The benchmark's data: the same synthetic shards (written on first use) for every policy."""
+    sc = SCALES[args.scale]
+    return AdaptiveLoadDataModule(
+        shards=str(work / "shards"), index=str(work / "index.jsonl"), policy=policy, m_mem=sc["m_mem"],
+        latent_channels=sc["latent_channels"], text_len=sc["text_len"], text_dim=sc["text_dim"],
+        num_workers=6 if args.scale == "h200" else 0, seed=0, synthesize=args.samples,
+        synthesize_latent_scale=sc["latent_scale"], cost_model=cost_model)
+
+
+def same_plan_as_token_equal(args: argparse.Namespace, work: Path) -> bool:
+    """Whether dual_constraint's epoch plan (every batch, its samples and its rank and step) equals
+    token_equal's under the cost model token_equal calibrated (the cache dual_constraint would
+    reuse). False when token_equal has not run. With the documented M_comp rule this holds whenever
+    the fitted exponent is >= 1 (docs/scheduling.md)."""
+    cost_model = work / "token_equal" / "version_0" / "calibration_cost_model.json"
+    if not cost_model.is_file():
+        return False
+    plans = []
+    for policy in ("token_equal", "dual_constraint"):
+        datamodule = make_datamodule(args, work, policy, str(cost_model))
+        datamodule.setup("fit")
+        plans.append(datamodule.build_sampler(num_replicas=args.devices, rank=0).plan())
+    return all(np.array_equal(getattr(plans[0], f), getattr(plans[1], f))
+               for f in ("order", "batch_start", "batch_len", "batch_seq_len", "steps"))
+
+
 def run(args: argparse.Namespace) -> None:
     policy, fused = CONFIGS[args.config]
     sc = SCALES[args.scale]
@@ -103,12 +134,16 @@ def run(args: argparse.Namespace) -> None:
     if fused and not (balanced_log_dir / "calibration_cost_model.json").is_file():
         raise SystemExit(f"e2e: {args.config} schedules with the balanced run's cost model; run --config balanced "
                          f"first (no {balanced_log_dir / 'calibration_cost_model.json'})")
+    if policy == "dual_constraint" and same_plan_as_token_equal(args, work):
+        # Identical batches in identical order: a second run would only measure run-to-run noise.
+        (work / f"{args.config}.json").write_text(json.dumps({
+            "config": args.config, "policy": policy, "same_plan_as": "token_equal",
+            "command": "python " + " ".join(sys.argv)}, indent=1))
+        print(f"e2e {args.config}: same epoch plan as token_equal under its calibrated cost model; not re-run")
+        return
     L.seed_everything(0)
-    datamodule = AdaptiveLoadDataModule(
-        shards=str(work / "shards"), index=str(work / "index.jsonl"), policy=policy, m_mem=sc["m_mem"],
-        latent_channels=sc["latent_channels"], text_len=sc["text_len"], text_dim=sc["text_dim"],
-        num_workers=6 if gpu else 0, seed=0, synthesize=args.samples, synthesize_latent_scale=sc["latent_scale"],
-        cost_model=str(balanced_log_dir / "calibration_cost_model.json") if fused else None)
+    datamodule = make_datamodule(args, work, policy, str(balanced_log_dir / "calibration_cost_model.json")
+                                 if fused else None)
     model = VideoDiTModule(in_channels=sc["latent_channels"], dim=sc["dim"], num_layers=args.layers,
                            num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"],
                            freq_dim=sc["freq_dim"], lr=1e-4, weight_decay=0.01)
@@ -119,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
     recorder = RunRecorder()
     callbacks = [FusedAdaLNSurgery(require_replacement=True) if fused else calibration, monitor, recorder]
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=2,
+        accelerator="gpu" if gpu else "cpu", devices=args.devices,
         strategy=FSDPStrategy(auto_wrap_policy={DiTBlock}) if gpu else "ddp",
         precision="bf16-mixed" if gpu else "32-true", max_epochs=1, use_distributed_sampler=False, log_every_n_steps=5,
         enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks,
@@ -130,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
     if trainer.global_rank != 0:
         return
     result = {
-        "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers,
+        "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers, "devices": args.devices,
         "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
         "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s, "peak_mem_gib_per_rank": recorder.peak_gib,
         "calibration": json.loads(((balanced_log_dir if fused else Path(trainer.logger.log_dir))
@@ -203,10 +238,17 @@ def loss_grid(runs: dict) -> tuple[np.ndarray, int]:
 
 def report(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
-    runs = {name: json.loads((work / f"{name}.json").read_text()) for name in CONFIGS if (work / f"{name}.json").exists()}
-    if "token_equal" not in runs:
-        raise SystemExit(f"e2e report: no {work / 'token_equal.json'} (the baseline); found {sorted(runs)}")
+    found = {name: json.loads((work / f"{name}.json").read_text()) for name in CONFIGS if (work / f"{name}.json").exists()}
+    if "token_equal" not in found:
+        raise SystemExit(f"e2e report: no {work / 'token_equal.json'} (the baseline); found {sorted(found)}")
+    # A configuration with the same epoch plan as a measured one was not re-run: its row repeats
+    # that run's numbers, marked, and it is left out of the loss and balance curves.
+    runs = {name: r for name, r in found.items() if "same_plan_as" not in r}
     rows = [summarize_run(r) for r in runs.values()]
+    for name, r in found.items():
+        if "same_plan_as" in r:
+            twin = next(row for row in rows if row["config"] == r["same_plan_as"])
+            rows.append({**twin, "config": name, "same_plan_as": r["same_plan_as"]})
     base = next(r for r in rows if r["config"] == "token_equal")
     for r in rows:
         r["throughput_vs_token_equal"] = r["tokens_per_s_epoch"] / base["tokens_per_s_epoch"]
@@ -221,19 +263,21 @@ def report(args: argparse.Namespace) -> None:
     grid, window = loss_grid(runs)
     ref = smoothed_loss_vs_samples(runs["token_equal"], grid, window)
     for r in rows:
-        cur = smoothed_loss_vs_samples(runs[r["config"]], grid, window)
+        cur = smoothed_loss_vs_samples(runs[r.get("same_plan_as", r["config"])], grid, window)
         r["smoothed_loss_max_rel_diff_vs_token_equal"] = float(np.max(np.abs(cur - ref) / ref))
 
     model = CostModel.from_json(Path(runs["token_equal"]["log_dir"]) / "calibration_cost_model.json")
     mix = read_shapes_jsonl(Path(__file__).resolve().parents[1] / "lightning_adaptiveload/data/reference_mix.jsonl")
     m_mem = runs["token_equal"]["m_mem"]
     simulated = [simulate(mix, model, m_mem=m_mem, world_size=w, policy=p, steps=1000, seed=0)
-                 for w in (2, 8, 16, 64) for p in ("token_equal", "dual_constraint", "balanced")]
+                 for w in sorted({runs["token_equal"]["devices"], 8, 16, 64})
+                 for p in ("token_equal", "dual_constraint", "balanced")]
     doc = {"benchmark": "e2e", "runs": rows, "simulated_with_calibrated_cost_model": simulated,
            "paper": {"throughput_8gpu_tokens_per_s": [14383, 18069], "throughput_16gpu_tokens_per_s": [30170, 38372],
                      "compute_load_cv": [0.39, 0.189], "step_time_cv_16gpu": [0.187, 0.104]},
-           "meta": {k: runs["token_equal"][k] for k in ("versions", "device", "gpus", "date", "layers", "m_mem", "scale")},
-           "commands": [r["command"] for r in runs.values()] + ["python " + " ".join(sys.argv)]}
+           "meta": {k: runs["token_equal"][k] for k in ("versions", "device", "devices", "date", "layers", "m_mem",
+                                                         "scale", "samples_in_shards")},
+           "commands": [r["command"] for r in found.values()] + ["python " + " ".join(sys.argv)]}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for s in simulated:
         print(f"simulated {s['policy']:>16} x{s['world_size']:<3} load CV {s['load_cv_mean']:.3f} "
@@ -248,7 +292,7 @@ def plot(runs: dict, rows: list[dict], grid: np.ndarray, window: int, path: Path
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    names = [r["config"] for r in rows]
+    names = [r["config"] + (f"\n(= {r['same_plan_as']})" if "same_plan_as" in r else "") for r in rows]
     axes[0].bar(names, [r["tokens_per_s_epoch"] for r in rows])
     axes[0].set_ylabel("tokens/s over the epoch (all ranks)")
     for name, res in runs.items():
@@ -273,10 +317,11 @@ def main() -> None:
     p_run.add_argument("--workdir", default="runs/e2e")
     p_run.add_argument("--layers", type=int, default=8)
     p_run.add_argument("--scale", choices=sorted(SCALES), default="h200")
-    p_run.add_argument("--samples", type=int, default=480)
+    p_run.add_argument("--samples", type=int, default=400)
+    p_run.add_argument("--devices", type=int, default=2, help="GPUs (or CPU processes at --scale cpu)")
     p_rep = sub.add_parser("report")
     p_rep.add_argument("--workdir", default="runs/e2e")
-    p_rep.add_argument("--out", default="benchmarks/results/e2e_2xh200.json")
+    p_rep.add_argument("--out", default="benchmarks/results/e2e/e2e_2xh200.json")
     args = parser.parse_args()
     run(args) if args.cmd == "run" else report(args)
 

@@ -110,3 +110,31 @@ def test_report_without_the_baseline_is_a_clear_error(tmp_path):
     args = type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")})
     with pytest.raises(SystemExit, match="token_equal.json"):
         e2e.report(args)
+
+
+def test_report_repeats_a_configuration_that_had_the_same_plan(tmp_path):
+    """dual_constraint skipped as the same plan as token_equal: its row repeats token_equal's
+    numbers, marked, with zero loss difference; measured rows are unaffected."""
+    rng = np.random.default_rng(6)
+    runs = {}
+    for name, epoch_s in (("token_equal", 9.0), ("balanced", 7.0)):
+        log_dir = tmp_path / name / "version_0"
+        cols = _write_run(log_dir, rng)
+        runs[name] = {**_result(name, log_dir, epoch_s, rng, cols["samples"][:, 0]), "command": f"run {name}",
+                      "devices": WORLD, "versions": {}, "device": "cpu", "date": "d", "layers": 1, "m_mem": 65536,
+                      "scale": "cpu", "samples_in_shards": 100}
+        (tmp_path / f"{name}.json").write_text(json.dumps(runs[name]))
+    e2e.CostModel("power", {"a": 5.0, "b": 1e-4, "p": 1.3}, 1.3, {}).to_json(
+        tmp_path / "token_equal" / "version_0" / "calibration_cost_model.json")
+    (tmp_path / "dual_constraint.json").write_text(json.dumps(
+        {"config": "dual_constraint", "same_plan_as": "token_equal", "command": "run dual_constraint"}))
+    args = type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")})
+    e2e.report(args)
+    rows = {r["config"]: r for r in json.loads((tmp_path / "r.json").read_text())["runs"]}
+    assert set(rows) == {"token_equal", "balanced", "dual_constraint"}
+    dual, base = rows.pop("dual_constraint"), rows["token_equal"]
+    assert dual.pop("same_plan_as") == "token_equal" and "same_plan_as" not in base
+    assert dual == {**base, "config": "dual_constraint"}
+    assert rows["balanced"]["throughput_vs_token_equal"] == pytest.approx(
+        rows["balanced"]["tokens_consumed"] / 7.0 / (base["tokens_consumed"] / 9.0), rel=1e-12)
+    assert (tmp_path / "r.png").stat().st_size > 0

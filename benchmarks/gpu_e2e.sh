@@ -37,7 +37,8 @@ for config in token_equal dual_constraint balanced balanced_fused; do
   fi
   timeout "$left" python3 benchmarks/e2e.py run --config "$config" --workdir "$WORK" --devices "$DEVICES" \
     --layers "${E2E_LAYERS:-8}" --samples "$SAMPLES" > "$WORK.log" 2>&1 || {
-    echo "$config failed (exit $?), see runs.log"; status=1; }
+    echo "$config failed (exit $?), see runs.log"; status=1
+    pkill -f "benchmarks/e2e.py run" && sleep 5; }  # ranks the launcher started may outlive a timeout
   { echo "===== $config (+${SECONDS}s)"; cat "$WORK.log"; } >> "$OUT/runs.log"
   tail -n 1 "$WORK.log"
   tar -czf "$OUT/e2e_work.tar.gz" -C "$WORK" --exclude=./shards --exclude='./index.jsonl*' . 2>/dev/null

@@ -45,12 +45,14 @@ from lightning_adaptiveload.ops import adaln_modulate, backend
 
 assert backend().startswith("cuda:"), backend()
 cases = [  # (B, N, D, x dtype, per_token, affine, mod fp32)
-    (2, 5, 64, torch.bfloat16, False, False, False),  # fused vectorized, lean backward
-    (2, 5, 64, torch.bfloat16, True, True, True),  # fused vectorized, general backward
-    (1, 3, 2048 * 8, torch.bfloat16, False, True, False),  # 4 vectors per thread
+    (2, 5, 64, torch.bfloat16, False, False, False),  # warp forward, lean block backward
+    (2, 5, 64, torch.bfloat16, True, True, True),  # warp forward, general block backward
+    (2, 67, 1536, torch.bfloat16, False, True, True),  # warp, 6 vectors/lane; backward 96 threads x 2
+    (3, 7, 96, torch.float32, True, True, True),  # fp32 warp, per token + affine partials
+    (2, 9, 3072, torch.bfloat16, False, False, False),  # block forward 96 threads x 4, lean backward
+    (1, 3, 2048 * 8, torch.bfloat16, False, True, False),  # block, 512 threads x 4, general
     (2, 4, 33, torch.float32, False, True, True),  # generic forward/dx/partial kernels
     (2, 4, 33, torch.float16, True, False, True),  # generic, per token, no partials
-    (3, 7, 96, torch.float32, True, True, True),  # fp32 vectorized, per token + affine partials
 ]
 for b, n, d, dt, per_token, affine, mod_fp32 in cases:
     g = torch.Generator().manual_seed(b * n + d)

@@ -1,15 +1,24 @@
-// Device helpers shared by the AdaLN kernels: aligned vector access and block reductions.
+// Device helpers shared by the AdaLN kernels: aligned vector access, deterministic reductions,
+// and how a row is split over the threads that own it.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace adaptiveload {
 
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 512;  // per block; 128 registers/thread fit at full block size
-// Cap for the fused backward: 96 registers keep two 320-thread blocks (D = 5120 bf16) resident
-// per SM, which hides more latency than the extra registers ptxas would otherwise take.
-constexpr int kBwdMaxRegisters = 96;
+constexpr int kMaxVpt = 4;        // 16-byte vectors per thread per row in the block kernels
+
+// Rows (one per warp) per block of the warp-per-row forward kernel: small blocks keep the
+// occupancy granularity fine.
+constexpr int kRowWarps = 4;
+
+// Register cap of the warp forward kernel by 16-byte vectors per lane (4 registers each).
+// Uncapped, ptxas takes 118 registers for bf16 D = 1536 (VPL = 6), i.e. 16 resident rows per SM;
+// capped at 64, 32 rows, without spills (nvcc 13.0, sm_90).
+constexpr int warp_fwd_max_registers(int vpl) { return 40 + 4 * vpl; }
 
 // N elements loaded/stored as one aligned access (16 bytes for 8 bf16 or 4 fp32).
 template <typename T, int N>
@@ -25,6 +34,23 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* ptr) {
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* ptr, const Vec<T, N>& value) {
   *reinterpret_cast<Vec<T, N>*>(ptr) = value;
+}
+
+// An empty asm that claims to rewrite the registers of v: values the compiler derived from v
+// before this point can no longer stand in for the same expressions after it. Placed between the
+// passes over a row held in registers, it makes each pass convert the packed 16-bit inputs to
+// fp32 again (one instruction per element) instead of keeping every converted value live, which
+// doubles the registers a bf16 row takes.
+template <typename T, int N, int K>
+__device__ __forceinline__ void forget_values(Vec<T, N> (&v)[K]) {
+  static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "16-byte vectors");
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    uint4 u;
+    memcpy(&u, &v[k], sizeof(u));
+    asm volatile("" : "+r"(u.x), "+r"(u.y), "+r"(u.z), "+r"(u.w));
+    memcpy(&v[k], &u, sizeof(u));
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -53,5 +79,49 @@ __device__ __forceinline__ void block_sum(float (&v)[K], float* smem) {
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = warp_sum(lane < num_warps ? smem[k * kWarpSize + lane] : 0.f);
 }
+
+// How a row is split over threads; the forward's row math (adaln_kernels.cuh) is written once
+// against this interface. A thread owns the row's 16-byte vectors first(), first() + step(), ...,
+// so consecutive threads touch consecutive vectors (coalesced), and sum() totals K per-thread
+// values over the row's owners, each owner getting the totals. kRegisterCapped: the kernel runs
+// under a tight register cap, so the row math re-converts its inputs per pass (forget_values).
+
+// The whole block owns the row (wide rows). smem: 32 * K floats for block_sum.
+struct BlockRow {
+  static constexpr bool kRegisterCapped = false;
+  int nvec;  // 16-byte vectors per row
+  float* smem;
+  __device__ __forceinline__ int first() const { return threadIdx.x; }
+  __device__ __forceinline__ int step() const { return blockDim.x; }
+  __device__ __forceinline__ bool leader() const { return threadIdx.x == 0; }
+  template <int K>
+  __device__ __forceinline__ void sum(float (&v)[K]) const {
+    block_sum<K>(v, smem);
+  }
+};
+
+// The lane index, read by an asm the compiler may not move or merge (measured: with it the warp
+// forward kernel fits its register cap without spills).
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
+// One warp owns the row: shuffles only, no shared memory and no barrier, so the warps of a
+// block progress independently and each row's reductions cost only their own latency.
+struct WarpRow {
+  static constexpr bool kRegisterCapped = true;
+  int nvec;
+  int lane;  // lane_id()
+  __device__ __forceinline__ int first() const { return lane; }
+  __device__ __forceinline__ int step() const { return kWarpSize; }
+  __device__ __forceinline__ bool leader() const { return lane == 0; }
+  template <int K>
+  __device__ __forceinline__ void sum(float (&v)[K]) const {
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  }
+};
 
 }  // namespace adaptiveload

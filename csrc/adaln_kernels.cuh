@@ -3,9 +3,12 @@
 // Layout: x, y, dy, dx are (B, N, D) contiguous; row = b * N + n. shift/scale rows start at
 // b * sb + n * sn elements (sn = 0 for per-sample modulation), unit inner stride.
 //
-// Fast path (vectorized, D % VEC == 0, 16-byte aligned): one block per row (forward) or per
-// tile of rows of one sample (backward); thread t owns the 16-byte vectors t, t + blockDim, ...
-// of every row, so the row stays in registers and a warp touches contiguous memory.
+// Fast path (vectorized, D % VEC == 0, 16-byte aligned): a row is held in registers by the
+// threads that own it, thread t of the owners holding the 16-byte vectors t, t + owners, ... (so
+// a warp touches contiguous memory). Forward: rows of at most 32 * 8 vectors are owned by one
+// warp (several independent rows per block, shuffle reductions only), wider rows by a block
+// (block reductions); the row math is written once (fwd_row) against the WarpRow / BlockRow
+// split of adaln_common.cuh. Backward: one block per tile of rows of one sample.
 // Generic path (any D/alignment): same math with scalar strided loops that re-read the row.
 //
 // Backward reductions over the sequence (dshift, dscale per sample; dweight, dbias) use the
@@ -62,83 +65,108 @@ struct BwdArgs {
 
 // ---------------------------------------------------------------- forward
 
-// Loads this thread's vectors of one row (vectors threadIdx.x + i * blockDim.x, i < VPT).
-template <typename T, int VEC, int VPT>
-__device__ __forceinline__ void load_row(Vec<T, VEC> (&v)[VPT], const T* row_ptr, int nvec) {
+// Loads this thread's vectors of one row (vectors part.first() + i * part.step(), i < VPT).
+template <typename T, int VEC, int VPT, typename Row>
+__device__ __forceinline__ void load_row(Vec<T, VEC> (&v)[VPT], const T* row_ptr, const Row& part) {
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
-    const int c = threadIdx.x + i * blockDim.x;
-    if (c < nvec) v[i] = load_vec<T, VEC>(row_ptr + c * VEC);
+    const int c = part.first() + i * part.step();
+    if (c < part.nvec) v[i] = load_vec<T, VEC>(row_ptr + c * VEC);
   }
 }
 
-// Grid-stride over rows: about one resident wave of blocks, each normalizing rows in turn. The
-// next row's loads are issued before this row's reductions so they overlap (software pipelining).
-template <typename T, typename M, int VPT>
-__global__ void __launch_bounds__(kMaxThreads) adaln_fwd_vec_kernel(FwdArgs<T, M> a) {
-  constexpr int VEC = 16 / sizeof(T);
-  __shared__ float smem[kWarpSize];
-  const int nvec = a.dim / VEC;
-  Vec<T, VEC> xv[VPT];
-  if (blockIdx.x < a.rows) load_row<T, VEC, VPT>(xv, a.x + blockIdx.x * static_cast<int64_t>(a.dim), nvec);
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const int64_t b = row / a.seq, n = row % a.seq;
-    Vec<T, VEC> x_next[VPT];
-    if (row + gridDim.x < a.rows) load_row<T, VEC, VPT>(x_next, a.x + (row + gridDim.x) * a.dim, nvec);
-
-    float sum[1] = {0.f};
+// Normalizes one row held in registers (this thread's vectors xv) and writes y, mean and rstd.
+template <typename T, typename M, int VEC, int VPT, typename Row>
+__device__ __forceinline__ void fwd_row(const FwdArgs<T, M>& a, int64_t row, Vec<T, VEC> (&xv)[VPT],
+                                        const Row& part) {
+  const int64_t b = row / a.seq, n = row % a.seq;
+  float sum[1] = {0.f};
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (threadIdx.x + i * blockDim.x < nvec) {
+  for (int i = 0; i < VPT; ++i) {
+    if (part.first() + i * part.step() < part.nvec) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) sum[0] += static_cast<float>(xv[i].v[k]);
-      }
+      for (int k = 0; k < VEC; ++k) sum[0] += static_cast<float>(xv[i].v[k]);
     }
-    block_sum<1>(sum, smem);
-    const float mu = sum[0] / a.dim;
-    float sq[1] = {0.f};  // two-pass variance from registers: no cancellation
+  }
+  if constexpr (Row::kRegisterCapped) forget_values(xv);
+  part.sum(sum);
+  const float mu = sum[0] / a.dim;
+  float sq[1] = {0.f};  // two-pass variance from registers: no cancellation
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (threadIdx.x + i * blockDim.x < nvec) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = static_cast<float>(xv[i].v[k]) - mu;
-          sq[0] += d * d;
-        }
-      }
-    }
-    block_sum<1>(sq, smem);
-    const float rs = rsqrtf(sq[0] / a.dim + a.eps);
-
-    const M* shift_row = a.shift + b * a.shift_sb + n * a.shift_sn;
-    const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
-    T* y_row = a.y + row * a.dim;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
-      if (c >= nvec) continue;
-      const Vec<M, VEC> sh = load_vec<M, VEC>(shift_row + c * VEC);
-      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
-      Vec<float, VEC> w, bi;
-      if (a.weight) w = load_vec<float, VEC>(a.weight + c * VEC);
-      if (a.bias) bi = load_vec<float, VEC>(a.bias + c * VEC);
-      Vec<T, VEC> out;
+  for (int i = 0; i < VPT; ++i) {
+    if (part.first() + i * part.step() < part.nvec) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        float z = (static_cast<float>(xv[i].v[k]) - mu) * rs;
-        if (a.weight) z *= w.v[k];
-        if (a.bias) z += bi.v[k];
-        out.v[k] = static_cast<T>(z * (1.f + static_cast<float>(sc.v[k])) + static_cast<float>(sh.v[k]));
+        const float d = static_cast<float>(xv[i].v[k]) - mu;
+        sq[0] += d * d;
       }
-      store_vec<T, VEC>(y_row + c * VEC, out);
     }
-    if (threadIdx.x == 0) {
-      a.mean[row] = mu;
-      a.rstd[row] = rs;
+  }
+  if constexpr (Row::kRegisterCapped) forget_values(xv);
+  part.sum(sq);
+  const float rs = rsqrtf(sq[0] / a.dim + a.eps);
+
+  const M* shift_row = a.shift + b * a.shift_sb + n * a.shift_sn;
+  const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+  T* y_row = a.y + row * a.dim;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = part.first() + i * part.step();
+    if (c >= part.nvec) continue;
+    const Vec<M, VEC> sh = load_vec<M, VEC>(shift_row + c * VEC);
+    const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
+    Vec<float, VEC> w, bi;
+    if (a.weight) w = load_vec<float, VEC>(a.weight + c * VEC);
+    if (a.bias) bi = load_vec<float, VEC>(a.bias + c * VEC);
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float z = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+      if (a.weight) z *= w.v[k];
+      if (a.bias) z += bi.v[k];
+      out.v[k] = static_cast<T>(z * (1.f + static_cast<float>(sc.v[k])) + static_cast<float>(sh.v[k]));
     }
+    store_vec<T, VEC>(y_row + c * VEC, out);
+  }
+  if (part.leader()) {
+    a.mean[row] = mu;
+    a.rstd[row] = rs;
+  }
+}
+
+// Block per row (rows wider than a warp's register budget). Grid-stride over rows: about one
+// resident wave of blocks, each normalizing rows in turn. The next row's loads are issued before
+// this row's reductions so they overlap the two block-wide barriers (software pipelining).
+template <typename T, typename M, int VPT>
+__global__ void __launch_bounds__(kMaxThreads) adaln_fwd_block_kernel(FwdArgs<T, M> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float smem[kWarpSize];
+  const BlockRow part{a.dim / VEC, smem};
+  Vec<T, VEC> xv[VPT];
+  if (blockIdx.x < a.rows) load_row(xv, a.x + blockIdx.x * static_cast<int64_t>(a.dim), part);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    Vec<T, VEC> x_next[VPT];
+    if (row + gridDim.x < a.rows) load_row(x_next, a.x + (row + gridDim.x) * a.dim, part);
+    fwd_row(a, row, xv, part);
 #pragma unroll
     for (int i = 0; i < VPT; ++i) xv[i] = x_next[i];
   }
+}
+
+// Warp per row (at most 32 * VPL vectors): kRowWarps independent rows per block, reductions by
+// shuffles only, one row per warp and a grid of ceil(rows / kRowWarps) blocks. Not grid-stride:
+// in a loop over rows the compiler hoists the per-lane shift/scale/weight/bias addresses of all
+// VPL vectors out of the loop, and under the register cap those spill. No prefetch: the rows in
+// flight per SM come from the many resident warps, each waiting on its own row.
+template <typename T, typename M, int VPL>
+__global__ void __maxnreg__(warp_fwd_max_registers(VPL)) adaln_fwd_warp_kernel(FwdArgs<T, M> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  const WarpRow part{a.dim / VEC, lane_id()};
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
+  if (row >= a.rows) return;
+  Vec<T, VEC> xv[VPL];
+  load_row(xv, a.x + row * a.dim, part);
+  fwd_row(a, row, xv, part);
 }
 
 template <typename T, typename M>
@@ -182,7 +210,7 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<
 // kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
 // registers that per-token outputs and weight/bias need.
 template <typename T, typename M, int VPT, bool kGeneral>
-__global__ void __maxnreg__(kBwdMaxRegisters) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
+__global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[2 * kWarpSize];
   const float* weight = kGeneral ? a.weight : nullptr;
@@ -192,6 +220,7 @@ __global__ void __maxnreg__(kBwdMaxRegisters) adaln_bwd_fused_kernel(BwdArgs<T, 
   const int64_t n0 = blockIdx.x * a.rows_per_tile;
   const int64_t n1 = min(a.seq, n0 + a.rows_per_tile);
   const int nvec = a.dim / VEC;
+  const BlockRow row_split{nvec, smem};
   const bool per_sample_sums = a.partial != nullptr && !per_token;
   const bool param_sums = a.partial != nullptr && per_token;
   const float inv_dim = 1.f / a.dim;
@@ -216,15 +245,15 @@ __global__ void __maxnreg__(kBwdMaxRegisters) adaln_bwd_fused_kernel(BwdArgs<T, 
 
   Vec<T, VEC> xv[VPT], dyv[VPT];
   if (n0 < n1) {
-    load_row<T, VEC, VPT>(xv, a.x + (b * a.seq + n0) * a.dim, nvec);
-    load_row<T, VEC, VPT>(dyv, a.dy + (b * a.seq + n0) * a.dim, nvec);
+    load_row(xv, a.x + (b * a.seq + n0) * a.dim, row_split);
+    load_row(dyv, a.dy + (b * a.seq + n0) * a.dim, row_split);
   }
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t row = b * a.seq + n;
     Vec<T, VEC> x_next[VPT], dy_next[VPT];
     if (n + 1 < n1) {
-      load_row<T, VEC, VPT>(x_next, a.x + (row + 1) * a.dim, nvec);
-      load_row<T, VEC, VPT>(dy_next, a.dy + (row + 1) * a.dim, nvec);
+      load_row(x_next, a.x + (row + 1) * a.dim, row_split);
+      load_row(dy_next, a.dy + (row + 1) * a.dim, row_split);
     }
     const float mu = a.mean[row], rs = a.rstd[row];
     const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "adaln.h"
 #include "adaln_kernels.cuh"
@@ -13,7 +14,13 @@
 namespace adaptiveload {
 namespace {
 
-constexpr int kMaxVpt = 4;  // 16-byte vectors per thread per row on the fast path
+// 16-byte vectors per lane (warp forward kernel) or per thread (block kernels) that get a kernel
+// instantiation; a row takes the smallest that fits. The warp list stops at 8 (D = 2048 for
+// 16-bit x, 1024 for fp32): at D = 3072 (12 per lane) the warp kernel was no faster than a
+// 96-thread block on the H200 (benchmarks/results/kernel_variants/).
+using WarpVpls = std::integer_sequence<int, 1, 2, 4, 6, 8>;
+using BlockVpts = std::integer_sequence<int, 1, 2, kMaxVpt>;
+constexpr int kRowThreads = 128;  // preferred block size of the block kernels
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -36,18 +43,19 @@ void dispatch_dtypes(at::ScalarType x_type, at::ScalarType mod_type, F&& f) {
   }
 }
 
-template <typename F>
-void dispatch_vpt(int vpt, F&& f) {
-  switch (vpt) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    default:
-      TORCH_CHECK(false, "adaln: internal error, vectors per thread ", vpt);
-  }
+// Calls f(std::integral_constant<int, V>) for the V of the list equal to `value`.
+template <int... Vs, typename F>
+void dispatch_vpt(std::integer_sequence<int, Vs...>, int value, F&& f) {
+  const bool found = ((value == Vs && (f(std::integral_constant<int, Vs>{}), true)) || ...);
+  TORCH_CHECK(found, "adaln: internal error, vectors per thread ", value);
+}
+
+// Smallest V of the list with nvec <= V * owners, or 0 if none.
+template <int... Vs>
+int smallest_fit(std::integer_sequence<int, Vs...>, int64_t nvec, int64_t owners) {
+  for (const int v : {Vs...})
+    if (nvec <= v * owners) return v;
+  return 0;
 }
 
 bool ptr_aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -61,23 +69,34 @@ bool rows_vectorizable(const at::Tensor& t, int vec) {
   return true;
 }
 
+enum class RowPath { kWarp, kBlock, kGeneric };
+
 struct LaunchConfig {
-  bool vectorized;
-  int vpt;      // vectors per thread (fast path)
+  RowPath path;
+  int vpt;      // vectors per lane (warp path) or per thread (block path)
   int threads;  // per block, a multiple of 32
 };
 
-// Fast path when every row can be loaded as 16-byte vectors and fits in kMaxVpt vectors per
-// thread; otherwise the generic scalar kernels.
+// The one place that picks the kernels. Rows that load as 16-byte vectors: with warp_rows (the
+// forward) a row fitting 8 vectors per lane goes to one warp, kRowWarps rows per block with no
+// barrier. Otherwise a block owns the row, with the fewest vectors per thread that keep it at
+// <= kRowThreads threads: small blocks put more rows in flight per SM, and that hides the latency
+// of each row's block reductions (H200, D = 1536: 192-thread blocks ran at 1.7x the copy floor,
+// 96-thread blocks at 1.4x). Rows wider than kRowThreads * kMaxVpt vectors take the fewest vectors
+// per thread that fit kMaxThreads (D = 5120 bf16: 320 x 2, whose backward ran 3% faster than
+// 160 x 4). Anything else runs the generic scalar kernels.
 template <typename T>
-LaunchConfig choose_config(int64_t dim, bool vectorizable) {
+LaunchConfig choose_config(int64_t dim, bool vectorizable, bool warp_rows) {
   constexpr int VEC = 16 / sizeof(T);
   if (vectorizable && dim % VEC == 0) {
     const int64_t nvec = dim / VEC;
-    for (int vpt = 1; vpt <= kMaxVpt; vpt *= 2)
-      if (nvec <= vpt * kMaxThreads) return {true, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};
+    const int vpl = warp_rows ? smallest_fit(WarpVpls{}, nvec, kWarpSize) : 0;
+    if (vpl) return {RowPath::kWarp, vpl, kRowWarps * kWarpSize};
+    int vpt = smallest_fit(BlockVpts{}, nvec, kRowThreads);
+    if (!vpt) vpt = smallest_fit(BlockVpts{}, nvec, kMaxThreads);
+    if (vpt) return {RowPath::kBlock, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};
   }
-  return {false, 0, static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(dim, 32) * 32))};
+  return {RowPath::kGeneric, 0, static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(dim, 32) * 32))};
 }
 
 template <typename T, typename M>
@@ -139,10 +158,16 @@ std::vector<at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& sh
     a.eps = static_cast<float>(eps);
     std::tie(a.shift_sb, a.shift_sn) = mod_strides(shift);
     std::tie(a.scale_sb, a.scale_sn) = mod_strides(scale);
-    const LaunchConfig cfg = choose_config<T>(dim, all_vectorizable<T, M>({&x, &y, &shift, &scale}, {&weight, &bias}));
-    if (cfg.vectorized) {
-      dispatch_vpt(cfg.vpt, [&](auto vpt) {
-        const auto kernel = adaln_fwd_vec_kernel<T, M, decltype(vpt)::value>;
+    const LaunchConfig cfg =
+        choose_config<T>(dim, all_vectorizable<T, M>({&x, &y, &shift, &scale}, {&weight, &bias}), true);
+    if (cfg.path == RowPath::kWarp) {  // one row per warp (see the kernel)
+      dispatch_vpt(WarpVpls{}, cfg.vpt, [&](auto vpl) {
+        adaln_fwd_warp_kernel<T, M, decltype(vpl)::value><<<ceil_div(rows, kRowWarps), cfg.threads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else if (cfg.path == RowPath::kBlock) {  // grid-stride, one resident wave of blocks
+      dispatch_vpt(BlockVpts{}, cfg.vpt, [&](auto vpt) {
+        const auto kernel = adaln_fwd_block_kernel<T, M, decltype(vpt)::value>;
         kernel<<<std::min(rows, resident_blocks(kernel, cfg.threads)), cfg.threads, 0, stream>>>(a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -190,7 +215,7 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
     using T = decltype(t_tag);
     using M = decltype(m_tag);
     const LaunchConfig cfg =
-        choose_config<T>(dim, all_vectorizable<T, M>({&x, &dy, &dx, &scale, &dshift, &dscale}, {&weight, &bias}));
+        choose_config<T>(dim, all_vectorizable<T, M>({&x, &dy, &dx, &scale, &dshift, &dscale}, {&weight, &bias}), false);
     BwdArgs<T, M> a{};
     a.dy = dy.data_ptr<T>();
     a.x = x.data_ptr<T>();
@@ -220,8 +245,8 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
       }
     };
 
-    if (cfg.vectorized) {
-      dispatch_vpt(cfg.vpt, [&](auto vpt) {
+    if (cfg.path == RowPath::kBlock) {
+      dispatch_vpt(BlockVpts{}, cfg.vpt, [&](auto vpt) {
         constexpr int VPT = decltype(vpt)::value;
         const auto kernel =
             (per_token || affine) ? adaln_bwd_fused_kernel<T, M, VPT, true> : adaln_bwd_fused_kernel<T, M, VPT, false>;

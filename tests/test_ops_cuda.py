@@ -1,7 +1,6 @@
 """GPU tests of the compiled AdaLN kernels against an fp64 reference (F.layer_norm in fp64 with
 autograd), on fresh random inputs, with outputs poisoned (NaN) before every call.
 Run on a GPU machine after building the extension: `bash benchmarks/gpu_kernel.sh`."""
-import os
 
 import pytest
 import torch
@@ -110,6 +109,22 @@ CASES = [
     (2, 4097, 1536, torch.float32, "misaligned", torch.float32, True),
     (1, 65536, 5120, torch.bfloat16, "per_token", torch.bfloat16, False),
     (8, 8192, 1000, torch.bfloat16, "per_sample", torch.bfloat16, False),
+    # Warp-per-row forward: each vectors-per-lane instantiation (16-bit x: D <= 256, 512, 1024,
+    # 1536, 2048; fp32: half those), rows not a multiple of the 4 rows per block, the last
+    # warp-path D and the first block-path D for both vector widths.
+    (3, 37, 256, torch.bfloat16, "per_token", torch.float32, True),  # 1 vector per lane
+    (2, 129, 512, torch.float16, "per_sample", torch.float16, True),  # 2
+    (2, 33, 1024, torch.bfloat16, "per_sample", torch.float32, False),  # 4
+    (2, 555, 768, torch.float32, "per_sample", torch.float32, False),  # fp32, 6
+    (2, 2050, 1536, torch.float16, "per_token", torch.float32, True),  # 6
+    (1, 999, 1024, torch.float32, "per_sample_2d", torch.float32, True),  # fp32, 8: last fp32 warp D
+    (2, 1001, 2048, torch.bfloat16, "per_token", torch.bfloat16, False),  # 8: last 16-bit warp D
+    (2, 515, 2056, torch.bfloat16, "per_sample", torch.bfloat16, True),  # first 16-bit block-path D
+    (2, 301, 1028, torch.float32, "per_token", torch.float32, False),  # first fp32 block-path D
+    # Block kernels at <= 128 threads: 4 vectors per thread, N = 1, odd row counts.
+    (1, 1, 3072, torch.bfloat16, "per_token", torch.float32, True),
+    (3, 1023, 3072, torch.bfloat16, "per_sample", torch.bfloat16, False),
+    (2, 300, 1540, torch.float32, "per_token", torch.float32, False),
 ]
 
 
@@ -223,9 +238,8 @@ def test_inside_fsdp_with_bf16_mixed_precision():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # An in-memory store: no TCP port, so concurrent runs on one host cannot collide.
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(37)
         reference = _Block(1024).cuda()

@@ -138,3 +138,28 @@ def test_report_repeats_a_configuration_that_had_the_same_plan(tmp_path):
     assert rows["balanced"]["throughput_vs_token_equal"] == pytest.approx(
         rows["balanced"]["tokens_consumed"] / 7.0 / (base["tokens_consumed"] / 9.0), rel=1e-12)
     assert (tmp_path / "r.png").stat().st_size > 0
+    late = [k for k in rows["balanced"] if k.endswith("second_half")]
+    assert late and rows["balanced"][late[0]] <= rows["balanced"]["smoothed_loss_max_rel_diff_vs_token_equal"]
+
+
+def test_report_compares_fused_and_unfused_batch_by_batch(tmp_path):
+    rng = np.random.default_rng(7)
+    for name in ("token_equal", "balanced", "balanced_fused"):
+        log_dir = tmp_path / name / "version_0"
+        cols = _write_run(log_dir, rng)
+        res = {**_result(name, log_dir, 5.0, rng, cols["samples"][:, 0]), "command": name, "devices": WORLD,
+               "versions": {}, "device": "cpu", "date": "d", "layers": 1, "m_mem": 65536, "scale": "cpu",
+               "samples_in_shards": 100}
+        if name == "balanced_fused":  # the same batches as balanced, losses off by known factors
+            base = json.loads((tmp_path / "balanced.json").read_text())
+            factors = 1 + rng.uniform(-1e-3, 1e-3, size=len(base["losses_rank0"]))
+            res["losses_rank0"] = (np.asarray(base["losses_rank0"]) * factors).tolist()
+            res["samples_rank0"] = base["samples_rank0"]
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    e2e.CostModel("power", {"a": 5.0, "b": 1e-4, "p": 1.3}, 1.3, {}).to_json(
+        tmp_path / "token_equal" / "version_0" / "calibration_cost_model.json")
+    e2e.report(type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")}))
+    rows = {r["config"]: r for r in json.loads((tmp_path / "r.json").read_text())["runs"]}
+    assert rows["balanced_fused"]["batch_loss_max_rel_diff_vs_balanced"] == pytest.approx(
+        float(np.max(np.abs(factors - 1))), rel=1e-9)
+    assert "batch_loss_max_rel_diff_vs_balanced" not in rows["balanced"]

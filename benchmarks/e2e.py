@@ -214,6 +214,11 @@ def summarize_run(res: dict) -> dict:
         "step_time_cv_temporal": temporal_cv(cols["step_time_ms"][keep].mean(axis=1)),
         "peak_mem_gib_max": max(res["peak_mem_gib_per_rank"]),
         "longest_seq_trained": int(cols["seq_len"].max()),
+        # The calibrated model's time for these exact batches (a step lasts as long as its slowest
+        # rank) against the measured step times: what per-step costs the model leaves out.
+        "predicted_step_sum_s": float(cols["load"].max(axis=1).sum() / 1e3),
+        "measured_step_sum_s": float(cols["step_time_ms"].mean(axis=1).sum() / 1e3),
+        "unpredicted_ms_per_step": float((cols["step_time_ms"].mean(axis=1) - cols["load"].max(axis=1)).mean()),
         "steps": batches,
         "calibration_s": res["calibration"]["seconds"],
         "calibration_from_cache": res["calibration"]["from_cache"],

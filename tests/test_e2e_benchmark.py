@@ -77,6 +77,11 @@ def test_summarize_run_follows_the_monitoring_definitions(tmp_path):
     per_step = [sum(int(cols["tokens"][i, r]) for r in range(WORLD)) / (max(s) / 1e3) for i, s in zip(kept, step)]
     assert got["tokens_per_s_step_median"] == pytest.approx(float(np.median(per_step)), rel=1e-12)
     assert got["longest_seq_trained"] == int(cols["seq_len"].max()) and got["peak_mem_gib_max"] == 4.5
+    slowest = [max(float(cols["load"][i, r]) for r in range(WORLD)) for i in range(BATCHES)]
+    mean_time = [sum(float(cols["step_time_ms"][i, r]) for r in range(WORLD)) / WORLD for i in range(BATCHES)]
+    assert got["predicted_step_sum_s"] == pytest.approx(sum(slowest) / 1e3, rel=1e-12)
+    assert got["measured_step_sum_s"] == pytest.approx(sum(mean_time) / 1e3, rel=1e-12)
+    assert got["unpredicted_ms_per_step"] == pytest.approx((sum(mean_time) - sum(slowest)) / BATCHES, rel=1e-12)
 
 
 def test_too_short_run_is_a_clear_error(tmp_path):

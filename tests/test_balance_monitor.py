@@ -146,13 +146,19 @@ def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys):
         window = step_ms[max(0, hi - 4):hi]
         assert float(m["balance/step_time_cv_temporal"]) == pytest.approx(temporal_cv(window), rel=1e-3, abs=1e-6)
         assert float(m["data/skipped"]) == 3 and float(m["data/skipped/bad_ndim"]) == 2
+        loads = [float(r["load"]) for r in rows[lo:hi]]
+        assert float(m["balance/unpredicted_ms"]) == pytest.approx(
+            np.mean(np.subtract(step_ms[lo:hi], loads)), rel=1e-4, abs=1e-3)
 
     summary = monitor.summary
     assert summary["steps"] == len(SHAPES)
     assert summary["step_time_cv_temporal_run"] == pytest.approx(temporal_cv(step_ms), rel=1e-3)
     assert summary["monitor_overhead_ms_per_step"] > 0
+    assert summary["unpredicted_ms_mean"] == pytest.approx(
+        np.mean(np.subtract(step_ms, [float(r["load"]) for r in rows])), rel=1e-4, abs=1e-3)
     out = capsys.readouterr().out
     assert "LoadBalanceMonitor: 7 steps x 1 ranks" in out and "monitor overhead" in out
+    assert "step time beyond the cost model" in out
 
 
 def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
@@ -170,6 +176,9 @@ def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):
     logged = [int(m["step"]) for m in _read_csv(f"{log_dir}/metrics.csv") if m.get("balance/load_cv")]
     assert logged == sorted(set(logged)) and len(logged) >= 3
     assert monitor.summary["steps"] == 2 * len(SHAPES)
+    # Proxy loads are tokens^2, not ms: nothing to compare step times with.
+    assert "unpredicted_ms_mean" not in monitor.summary
+    assert not any(m.get("balance/unpredicted_ms") for m in _read_csv(f"{log_dir}/metrics.csv"))
 
 
 def test_resumed_fit_in_the_same_log_dir_keeps_every_batch_once(tmp_path):
@@ -271,6 +280,8 @@ def test_two_process_ddp_gathers_per_rank_rows(tmp_path, accelerator):
         assert float(m["balance/step_time_cv"]) == pytest.approx(statistics.fmean(time_cv), rel=1e-3, abs=1e-6)
         window = step_ms[max(0, hi - 3):hi].mean(axis=1).tolist()
         assert float(m["balance/step_time_cv_temporal"]) == pytest.approx(temporal_cv(window), rel=1e-3, abs=1e-6)
+        unpredicted = step_ms[lo:hi].mean(axis=1) - loads[lo:hi].max(axis=1)
+        assert float(m["balance/unpredicted_ms"]) == pytest.approx(unpredicted.mean(), rel=1e-4, abs=1e-3)
         for r in (0, 1):
             assert float(m[f"rank{r}/load"]) == pytest.approx(loads[lo:hi, r].mean(), rel=1e-6)
             want_tokens = np.mean([b * s for b, s in RANK_SHAPES[r][lo:hi]])

@@ -217,6 +217,10 @@ class LoadBalanceMonitor(Callback):
             "balance/step_time_cv_temporal": temporal_cv(self._recent_step_ms),
             "throughput/tokens_per_s": float(tokens.sum() / interval_s) if interval_s > 0 else 0.0,
         }
+        if self._active_cost_model is not None:  # loads are predicted ms, comparable with step times
+            unpredicted = step_ms.mean(axis=0) - load.max(axis=0)
+            run["unpredicted_ms"].append(unpredicted)
+            metrics["balance/unpredicted_ms"] = float(unpredicted.mean())
         for r in range(rows.shape[0]):
             metrics[f"rank{r}/step_time_ms"] = float(step_ms[r].mean())
             metrics[f"rank{r}/load"] = float(load[r].mean())
@@ -248,7 +252,9 @@ class LoadBalanceMonitor(Callback):
         mean_step_ms = float(np.mean(run["mean_step_ms"]))
         interval_s = float(np.sum(run["interval_s"]))
         overhead_ms_per_step = self.overhead_ms / max(self.steps_seen, 1)
+        unpredicted = {"unpredicted_ms_mean": float(np.mean(run["unpredicted_ms"]))} if "unpredicted_ms" in run else {}
         return {
+            **unpredicted,
             "steps": len(run["load_cv"]),
             "world_size": world_size,
             "load_unit": self.load_unit,
@@ -294,7 +300,9 @@ def format_summary(summary: dict, per_rank_means: np.ndarray) -> str:
         f"step-time CV across ranks (mean): {summary['step_time_cv_mean']:.4f}",
         f"step-time CV over the run:        {summary['step_time_cv_temporal_run']:.4f}",
         f"global throughput:                {summary['tokens_per_s']:.1f} tokens/s",
-        f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
-        f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time {summary['step_time_ms_mean']:.2f} ms)",
     ]
+    if "unpredicted_ms_mean" in summary:
+        lines.append(f"step time beyond the cost model:  {summary['unpredicted_ms_mean']:.2f} ms/step")
+    lines.append(f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
+                 f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time {summary['step_time_ms_mean']:.2f} ms)")
     return "\n".join(lines)

@@ -112,8 +112,9 @@ def make_datamodule(args: argparse.Namespace, work: Path, policy: str, cost_mode
 def same_plan_as_token_equal(args: argparse.Namespace, work: Path) -> bool:
     """Whether dual_constraint's epoch plan (every batch, its samples and its rank and step) equals
     token_equal's under the cost model token_equal calibrated (the cache dual_constraint would
-    reuse). False when token_equal has not run. With the documented M_comp rule this holds whenever
-    the fitted exponent is >= 1 (docs/scheduling.md)."""
+    reuse). False when token_equal has not run. With the documented M_comp rule the compute cap
+    only bites through the rounding of m_mem // S_ref (CostModel.m_comp), so on the reference mix
+    at m_mem = 65,536 the two plans are the same (docs/scheduling.md)."""
     cost_model = work / "token_equal" / "version_0" / "calibration_cost_model.json"
     if not cost_model.is_file():
         return False

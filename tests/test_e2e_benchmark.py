@@ -2,6 +2,7 @@
 docs/monitoring.md (checked against per-batch fp64 loops), throughput counts tokens, batches that
 share an optimizer step (gradient accumulation) stay separate rows, short runs get a loss window
 that fits, and a missing baseline is a clear error. The GPU runs themselves: benchmarks/gpu_e2e.sh."""
+import argparse
 import csv
 import importlib.util
 import json
@@ -168,3 +169,27 @@ def test_report_compares_fused_and_unfused_batch_by_batch(tmp_path):
     assert rows["balanced_fused"]["batch_loss_max_rel_diff_vs_balanced"] == pytest.approx(
         float(np.max(np.abs(factors - 1))), rel=1e-9)
     assert "batch_loss_max_rel_diff_vs_balanced" not in rows["balanced"]
+
+
+@pytest.mark.parametrize("p, expect_same", [(1.0, False), (1.3, False), (3.0, True)])
+def test_same_plan_check_agrees_with_the_bucket_batch_sizes(tmp_path, p, expect_same):
+    """dual_constraint is skipped only when its plan equals token_equal's: here that holds exactly
+    when every bucket gets the same batch size under both rules (same seed, same sampler)."""
+    from lightning_adaptiveload.policies import batch_sizes
+
+    args = argparse.Namespace(scale="cpu", samples=96, devices=2)
+    assert not e2e.same_plan_as_token_equal(args, tmp_path)  # token_equal has not run
+    data = e2e.make_datamodule(args, tmp_path, "token_equal", None)
+    data.prepare_data()
+    data.setup("fit")
+    model = e2e.CostModel("power", {"a": 1.0, "b": 1e-3, "p": p}, p, {})
+    (tmp_path / "token_equal" / "version_0").mkdir(parents=True)
+    model.to_json(tmp_path / "token_equal" / "version_0" / "calibration_cost_model.json")
+    seq = data.bucket_seq_lens()
+    m_mem = e2e.SCALES["cpu"]["m_mem"]
+    same_sizes = np.array_equal(batch_sizes(seq, "token_equal", m_mem),
+                                batch_sizes(seq, "dual_constraint", m_mem, model.m_comp(m_mem, int(seq[-1])), model.dual_p))
+    # Longest bucket 450 tokens at m_mem 640: B_ref = 1, and the cap floor((450 / S)^p) falls below
+    # 640 // S for some S unless p is large.
+    assert same_sizes == expect_same
+    assert e2e.same_plan_as_token_equal(args, tmp_path) == same_sizes

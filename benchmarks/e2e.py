@@ -291,6 +291,7 @@ def report(args: argparse.Namespace) -> None:
                  for w in sorted({runs["token_equal"]["devices"], 8, 16, 64})
                  for p in ("token_equal", "dual_constraint", "balanced")]
     doc = {"benchmark": "e2e", "runs": rows, "simulated_with_calibrated_cost_model": simulated,
+           "simulator_check": simulator_check(rows, simulated, runs["token_equal"]["devices"]),
            "paper": {"throughput_8gpu_tokens_per_s": [14383, 18069], "throughput_16gpu_tokens_per_s": [30170, 38372],
                      "compute_load_cv": [0.39, 0.189], "step_time_cv_16gpu": [0.187, 0.104]},
            "meta": {k: runs["token_equal"][k] for k in ("versions", "device", "devices", "date", "layers", "m_mem",
@@ -300,7 +301,24 @@ def report(args: argparse.Namespace) -> None:
     for s in simulated:
         print(f"simulated {s['policy']:>16} x{s['world_size']:<3} load CV {s['load_cv_mean']:.3f} "
               f"tokens/s {s['predicted_tokens_per_s']:.0f}")
+    print("balanced / token_equal tokens/s:", ", ".join(f"{k} {v:.3f}" for k, v in doc["simulator_check"].items()
+                                                        if k != "world_size"))
     plot(runs, rows, grid, window, Path(args.out).with_suffix(".png"))
+
+
+def simulator_check(rows: list[dict], simulated: list[dict], world_size: int) -> dict:
+    """balanced / token_equal tokens/s three ways at the run's world size: simulated (1000 steps of
+    the mix), predicted for the run's own batches (the cost model's step times, no overheads) and
+    measured (epoch wall time)."""
+    by_config = {r["config"]: r for r in rows}
+    if "balanced" not in by_config:
+        return {}
+    sim = {s["policy"]: s["predicted_tokens_per_s"] for s in simulated if s["world_size"] == world_size}
+    base, bal = by_config["token_equal"], by_config["balanced"]
+    planned = ((bal["tokens_consumed"] / bal["predicted_step_sum_s"])
+               / (base["tokens_consumed"] / base["predicted_step_sum_s"]))
+    return {"world_size": world_size, "simulated": sim["balanced"] / sim["token_equal"],
+            "predicted_for_these_batches": planned, "measured": bal["throughput_vs_token_equal"]}
 
 
 def plot(runs: dict, rows: list[dict], grid: np.ndarray, window: int, path: Path) -> None:

@@ -143,6 +143,14 @@ def test_report_repeats_a_configuration_that_had_the_same_plan(tmp_path):
     assert dual == {**base, "config": "dual_constraint"}
     assert rows["balanced"]["throughput_vs_token_equal"] == pytest.approx(
         rows["balanced"]["tokens_consumed"] / 7.0 / (base["tokens_consumed"] / 9.0), rel=1e-12)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    check, bal = doc["simulator_check"], rows["balanced"]
+    assert check["measured"] == bal["throughput_vs_token_equal"] and check["world_size"] == WORLD
+    assert check["predicted_for_these_batches"] == pytest.approx(
+        (bal["tokens_consumed"] / bal["predicted_step_sum_s"]) / (base["tokens_consumed"] / base["predicted_step_sum_s"]))
+    sim = {s["policy"]: s["predicted_tokens_per_s"] for s in doc["simulated_with_calibrated_cost_model"]
+           if s["world_size"] == WORLD}
+    assert check["simulated"] == pytest.approx(sim["balanced"] / sim["token_equal"])
     assert (tmp_path / "r.png").stat().st_size > 0
     late = [k for k in rows["balanced"] if k.endswith("second_half")]
     assert late and rows["balanced"][late[0]] <= rows["balanced"]["smoothed_loss_max_rel_diff_vs_token_equal"]

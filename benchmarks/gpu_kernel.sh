@@ -51,10 +51,6 @@ cases = [  # (B, N, D, x dtype, per_token, affine, mod fp32)
     (3, 7, 96, torch.float32, True, True, True),  # fp32 warp, per token + affine partials
     (2, 9, 3072, torch.bfloat16, False, False, False),  # block forward 96 threads x 4, lean backward
     (1, 3, 2048 * 8, torch.bfloat16, False, True, False),  # block, 512 threads x 4, general
-    # Block kernels with rows in pairs and an odd row count: on an H200 forward blocks get 1 or 2
-    # rows, backward tiles 2 rows and the last one 1 (a pair step and a lone-row step each).
-    (1, 401, 5120, torch.bfloat16, False, False, False),  # 320 threads x 2, lean backward
-    (1, 401, 5120, torch.bfloat16, True, True, True),  # same, general backward
     (2, 4, 33, torch.float32, False, True, True),  # generic forward/dx/partial kernels
     (2, 4, 33, torch.float16, True, False, True),  # generic, per token, no partials
 ]

@@ -20,15 +20,6 @@ constexpr int kRowWarps = 4;
 // capped at 64, 32 rows, without spills (nvcc 13.0, sm_90).
 constexpr int warp_fwd_max_registers(int vpl) { return 40 + 4 * vpl; }
 
-// Register cap of the block forward kernel, which holds two rows and prefetches two more (16
-// registers per vector per thread). At most 2 vectors per thread, 64 keeps the blocks per SM of
-// the former one-row kernel (bf16 x and modulation took 64: 3 blocks of 320 threads at D = 5120);
-// 16-bit x with fp32 modulation spills under 64 and gets 96 (it took 84). Without the caps ptxas
-// took up to 128 (1 block of 320 threads per SM). None spills (nvcc 13.0, sm_90).
-constexpr int block_fwd_max_registers(int vpt, bool mixed_widths) {
-  return vpt == kMaxVpt ? 112 : mixed_widths ? 96 : 64;
-}
-
 // N elements loaded/stored as one aligned access (16 bytes for 8 bf16 or 4 fp32).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -93,13 +84,11 @@ __device__ __forceinline__ void block_sum(float (&v)[K], float* smem) {
 // against this interface. A thread owns the row's 16-byte vectors first(), first() + step(), ...,
 // so consecutive threads touch consecutive vectors (coalesced), and sum() totals K per-thread
 // values over the row's owners, each owner getting the totals. kRegisterCapped: the kernel runs
-// under a tight register cap, so the row math re-converts its inputs per pass (forget_values);
-// both forward kernels are capped (warp_fwd_max_registers, block_fwd_max_registers), and without
-// it each would spill under its cap.
+// under a tight register cap, so the row math re-converts its inputs per pass (forget_values).
 
 // The whole block owns the row (wide rows). smem: 32 * K floats for block_sum.
 struct BlockRow {
-  static constexpr bool kRegisterCapped = true;
+  static constexpr bool kRegisterCapped = false;
   int nvec;  // 16-byte vectors per row
   float* smem;
   __device__ __forceinline__ int first() const { return threadIdx.x; }

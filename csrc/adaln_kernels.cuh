@@ -7,9 +7,8 @@
 // threads that own it, thread t of the owners holding the 16-byte vectors t, t + owners, ... (so
 // a warp touches contiguous memory). Forward: rows of at most 32 * 8 vectors are owned by one
 // warp (several independent rows per block, shuffle reductions only), wider rows by a block
-// (block reductions); the row math is written once (fwd_rows) against the WarpRow / BlockRow
-// split of adaln_common.cuh. Backward: one block per tile of rows of one sample. The block
-// kernels take two rows per step (RowGroup), so each block reduction serves both.
+// (block reductions); the row math is written once (fwd_row) against the WarpRow / BlockRow
+// split of adaln_common.cuh. Backward: one block per tile of rows of one sample.
 // Generic path (any D/alignment): same math with scalar strided loops that re-read the row.
 //
 // Backward reductions over the sequence (dshift, dscale per sample; dweight, dbias) use the
@@ -66,141 +65,91 @@ struct BwdArgs {
 
 // ---------------------------------------------------------------- forward
 
-// Rows first, first + stride, ..., first + (K - 1) * stride, of which those below end exist. The
-// owners of a row hold K rows in registers at once and reduce them together (one block_sum of K
-// values instead of K block_sums), so a block pays its barriers once per K rows.
-struct RowGroup {
-  int64_t first, stride, end;
-  __device__ __forceinline__ int64_t operator[](int r) const { return first + r * stride; }
-  // Uniform over the owners: a missing row skips its loads, math and stores, never a reduction.
-  __device__ __forceinline__ bool has(int r) const { return first + r * stride < end; }
-};
-
-// Loads this thread's vectors (part.first() + i * part.step(), i < VPT) of each existing row of
-// `rows` in the (rows, dim) matrix at base.
-template <typename T, int VEC, int VPT, int K, typename Row>
-__device__ __forceinline__ void load_rows(Vec<T, VEC> (&v)[K][VPT], const T* base, int dim, const RowGroup& rows,
-                                          const Row& part) {
+// Loads this thread's vectors of one row (vectors part.first() + i * part.step(), i < VPT).
+template <typename T, int VEC, int VPT, typename Row>
+__device__ __forceinline__ void load_row(Vec<T, VEC> (&v)[VPT], const T* row_ptr, const Row& part) {
 #pragma unroll
-  for (int r = 0; r < K; ++r) {
-    if (!rows.has(r)) continue;
-    const T* row_ptr = base + rows[r] * dim;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = part.first() + i * part.step();
-      if (c < part.nvec) v[r][i] = load_vec<T, VEC>(row_ptr + c * VEC);
-    }
+  for (int i = 0; i < VPT; ++i) {
+    const int c = part.first() + i * part.step();
+    if (c < part.nvec) v[i] = load_vec<T, VEC>(row_ptr + c * VEC);
   }
 }
 
-// Normalizes the existing rows of `rows`, held in registers (this thread's vectors xv[r] of row
-// rows[r]), and writes y, mean and rstd. Each of the two reductions (means, then centered sums
-// of squares) covers all K rows at once.
-template <typename T, typename M, int VEC, int VPT, int K, typename Row>
-__device__ __forceinline__ void fwd_rows(const FwdArgs<T, M>& a, const RowGroup& rows, Vec<T, VEC> (&xv)[K][VPT],
-                                         const Row& part) {
-  // Sample and position of each row, computed before the reductions: placed after them, the warp
-  // kernel spilled under its register cap (fp32 modulation, 4 and 6 vectors per lane).
-  int64_t bs[K], ns[K];
+// Normalizes one row held in registers (this thread's vectors xv) and writes y, mean and rstd.
+template <typename T, typename M, int VEC, int VPT, typename Row>
+__device__ __forceinline__ void fwd_row(const FwdArgs<T, M>& a, int64_t row, Vec<T, VEC> (&xv)[VPT],
+                                        const Row& part) {
+  const int64_t b = row / a.seq, n = row % a.seq;
+  float sum[1] = {0.f};
 #pragma unroll
-  for (int r = 0; r < K; ++r) {
-    bs[r] = rows[r] / a.seq;
-    ns[r] = rows[r] % a.seq;
-  }
-  float sum[K] = {};
+  for (int i = 0; i < VPT; ++i) {
+    if (part.first() + i * part.step() < part.nvec) {
 #pragma unroll
-  for (int r = 0; r < K; ++r) {
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (rows.has(r) && part.first() + i * part.step() < part.nvec) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) sum[r] += static_cast<float>(xv[r][i].v[k]);
-      }
+      for (int k = 0; k < VEC; ++k) sum[0] += static_cast<float>(xv[i].v[k]);
     }
-    if constexpr (Row::kRegisterCapped) forget_values(xv[r]);
   }
+  if constexpr (Row::kRegisterCapped) forget_values(xv);
   part.sum(sum);
-  float mu[K], sq[K] = {};  // two-pass variance from registers: no cancellation
+  const float mu = sum[0] / a.dim;
+  float sq[1] = {0.f};  // two-pass variance from registers: no cancellation
 #pragma unroll
-  for (int r = 0; r < K; ++r) {
-    mu[r] = sum[r] / a.dim;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (rows.has(r) && part.first() + i * part.step() < part.nvec) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = static_cast<float>(xv[r][i].v[k]) - mu[r];
-          sq[r] += d * d;
-        }
-      }
-    }
-    if constexpr (Row::kRegisterCapped) forget_values(xv[r]);
-  }
-  part.sum(sq);
-
-#pragma unroll
-  for (int r = 0; r < K; ++r) {
-    if (!rows.has(r)) continue;
-    const int64_t row = rows[r];
-    const float rs = rsqrtf(sq[r] / a.dim + a.eps);
-    const M* shift_row = a.shift + bs[r] * a.shift_sb + ns[r] * a.shift_sn;
-    const M* scale_row = a.scale + bs[r] * a.scale_sb + ns[r] * a.scale_sn;
-    T* y_row = a.y + row * a.dim;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = part.first() + i * part.step();
-      if (c >= part.nvec) continue;
-      const Vec<M, VEC> sh = load_vec<M, VEC>(shift_row + c * VEC);
-      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
-      Vec<float, VEC> w, bi;
-      if (a.weight) w = load_vec<float, VEC>(a.weight + c * VEC);
-      if (a.bias) bi = load_vec<float, VEC>(a.bias + c * VEC);
-      Vec<T, VEC> out;
+  for (int i = 0; i < VPT; ++i) {
+    if (part.first() + i * part.step() < part.nvec) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        float z = (static_cast<float>(xv[r][i].v[k]) - mu[r]) * rs;
-        if (a.weight) z *= w.v[k];
-        if (a.bias) z += bi.v[k];
-        out.v[k] = static_cast<T>(z * (1.f + static_cast<float>(sc.v[k])) + static_cast<float>(sh.v[k]));
+        const float d = static_cast<float>(xv[i].v[k]) - mu;
+        sq[0] += d * d;
       }
-      store_vec<T, VEC>(y_row + c * VEC, out);
     }
-    if (part.leader()) {
-      a.mean[row] = mu[r];
-      a.rstd[row] = rs;
+  }
+  if constexpr (Row::kRegisterCapped) forget_values(xv);
+  part.sum(sq);
+  const float rs = rsqrtf(sq[0] / a.dim + a.eps);
+
+  const M* shift_row = a.shift + b * a.shift_sb + n * a.shift_sn;
+  const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
+  T* y_row = a.y + row * a.dim;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = part.first() + i * part.step();
+    if (c >= part.nvec) continue;
+    const Vec<M, VEC> sh = load_vec<M, VEC>(shift_row + c * VEC);
+    const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
+    Vec<float, VEC> w, bi;
+    if (a.weight) w = load_vec<float, VEC>(a.weight + c * VEC);
+    if (a.bias) bi = load_vec<float, VEC>(a.bias + c * VEC);
+    Vec<T, VEC> out;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float z = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+      if (a.weight) z *= w.v[k];
+      if (a.bias) z += bi.v[k];
+      out.v[k] = static_cast<T>(z * (1.f + static_cast<float>(sc.v[k])) + static_cast<float>(sh.v[k]));
     }
+    store_vec<T, VEC>(y_row + c * VEC, out);
+  }
+  if (part.leader()) {
+    a.mean[row] = mu;
+    a.rstd[row] = rs;
   }
 }
 
-// Rows a block of the block kernels holds and reduces together (RowGroup): two halve the block
-// barriers per row. More would not fit the register caps at 4 vectors per thread (the forward
-// holds two rows and two prefetched ones, the backward x and dy of each row).
-constexpr int kBlockRows = 2;
-
 // Block per row (rows wider than a warp's register budget). Grid-stride over rows: about one
-// resident wave of blocks, each normalizing its rows blockIdx.x, blockIdx.x + gridDim.x, ... two
-// at a time (row and row + gridDim.x, consecutive in that sequence): every block keeps the rows
-// of a one-row loop, so the blocks stay balanced within one row, and only a block with an odd
-// count has a missing second row, in its last step. The next pair's loads are issued before this
-// pair's reductions so they overlap the block-wide barriers (software pipelining).
+// resident wave of blocks, each normalizing rows in turn. The next row's loads are issued before
+// this row's reductions so they overlap the two block-wide barriers (software pipelining).
 template <typename T, typename M, int VPT>
-__global__ void __maxnreg__(block_fwd_max_registers(VPT, sizeof(T) != sizeof(M)))
-    adaln_fwd_block_kernel(FwdArgs<T, M> a) {
+__global__ void __launch_bounds__(kMaxThreads) adaln_fwd_block_kernel(FwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ float smem[kBlockRows * kWarpSize];
+  __shared__ float smem[kWarpSize];
   const BlockRow part{a.dim / VEC, smem};
-  const int64_t stride = gridDim.x;
-  Vec<T, VEC> xv[kBlockRows][VPT];
-  load_rows(xv, a.x, a.dim, RowGroup{blockIdx.x, stride, a.rows}, part);
-  for (int64_t row = blockIdx.x; row < a.rows; row += kBlockRows * stride) {
-    Vec<T, VEC> x_next[kBlockRows][VPT];
-    load_rows(x_next, a.x, a.dim, RowGroup{row + kBlockRows * stride, stride, a.rows}, part);
-    fwd_rows(a, RowGroup{row, stride, a.rows}, xv, part);
+  Vec<T, VEC> xv[VPT];
+  if (blockIdx.x < a.rows) load_row(xv, a.x + blockIdx.x * static_cast<int64_t>(a.dim), part);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    Vec<T, VEC> x_next[VPT];
+    if (row + gridDim.x < a.rows) load_row(x_next, a.x + (row + gridDim.x) * a.dim, part);
+    fwd_row(a, row, xv, part);
 #pragma unroll
-    for (int r = 0; r < kBlockRows; ++r) {
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) xv[r][i] = x_next[r][i];
-    }
+    for (int i = 0; i < VPT; ++i) xv[i] = x_next[i];
   }
 }
 
@@ -215,10 +164,9 @@ __global__ void __maxnreg__(warp_fwd_max_registers(VPL)) adaln_fwd_warp_kernel(F
   const WarpRow part{a.dim / VEC, lane_id()};
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarpSize;
   if (row >= a.rows) return;
-  const RowGroup rows{row, 1, row + 1};
-  Vec<T, VEC> xv[1][VPL];
-  load_rows(xv, a.x, a.dim, rows, part);
-  fwd_rows(a, rows, xv, part);
+  Vec<T, VEC> xv[VPL];
+  load_row(xv, a.x + row * a.dim, part);
+  fwd_row(a, row, xv, part);
 }
 
 template <typename T, typename M>
@@ -257,21 +205,14 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<
 // ---------------------------------------------------------------- backward
 
 // dx for every row of tile blockIdx.x of sample blockIdx.y, fused with the D-tile partial sums.
-// Rows go in pairs (n, n + 1; an odd tile ends with one row alone, RowGroup): both are loaded at
-// once and reduced together, one block_sum of four values per pair instead of two of two, and
-// each thread's column sums are read and written once per pair. No prefetch of the next pair: x
-// and dy of four rows would take 64 registers at 2 vectors per thread and 128 at 4, beyond the
-// caps below. The pair has the registers the one-row loop gave to its current and prefetched
-// rows, and both rows' loads are in flight together, but no loads overlap the barriers any more.
-// Within the caps without spills (nvcc 13.0, sm_90) only because dxhat is recomputed after the
-// reduction, from inputs re-converted there (forget_values), one row after the other.
+// The next row's x and dy are loaded before this row's reduction (software pipelining); dxhat is
+// recomputed after the reduction instead of held, to leave registers for that prefetch.
 // kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
 // registers that per-token outputs and weight/bias need.
 template <typename T, typename M, int VPT, bool kGeneral>
 __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
-  constexpr int K = kBlockRows;
-  __shared__ float smem[2 * K * kWarpSize];
+  __shared__ float smem[2 * kWarpSize];
   const float* weight = kGeneral ? a.weight : nullptr;
   const float* bias = kGeneral ? a.bias : nullptr;
   const bool per_token = kGeneral && a.per_token;
@@ -285,7 +226,7 @@ __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(Bwd
   const float inv_dim = 1.f / a.dim;
 
   // Column sums live in shared memory (2 * D floats, dynamic), not registers: registers go to
-  // the pair of rows instead. Each thread only touches its own features: no barriers needed.
+  // the prefetched row instead. Each thread only touches its own features: no barriers needed.
   extern __shared__ __align__(32) float dynamic_smem[];
   float* acc1 = dynamic_smem;
   float* acc2 = acc1 + a.dim;
@@ -302,98 +243,89 @@ __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(Bwd
     }
   }
 
-  for (int64_t n = n0; n < n1; n += K) {
-    const RowGroup rows{b * a.seq + n, 1, b * a.seq + n1};
-    Vec<T, VEC> xv[K][VPT], dyv[K][VPT];
-    load_rows(xv, a.x, a.dim, rows, row_split);
-    load_rows(dyv, a.dy, a.dim, rows, row_split);
-    float mu[K], rs[K];
-#pragma unroll
-    for (int r = 0; r < K; ++r) {
-      mu[r] = rows.has(r) ? a.mean[rows[r]] : 0.f;
-      rs[r] = rows.has(r) ? a.rstd[rows[r]] : 0.f;
+  Vec<T, VEC> xv[VPT], dyv[VPT];
+  if (n0 < n1) {
+    load_row(xv, a.x + (b * a.seq + n0) * a.dim, row_split);
+    load_row(dyv, a.dy + (b * a.seq + n0) * a.dim, row_split);
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = b * a.seq + n;
+    Vec<T, VEC> x_next[VPT], dy_next[VPT];
+    if (n + 1 < n1) {
+      load_row(x_next, a.x + (row + 1) * a.dim, row_split);
+      load_row(dy_next, a.dy + (row + 1) * a.dim, row_split);
     }
-    // Row r's scale is at scale_row + r * scale_sn; per-sample modulation (all that kGeneral =
-    // false sees) has scale_sn = 0, so the second row's scale loads hit L1.
+    const float mu = a.mean[row], rs = a.rstd[row];
     const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
-    float sums[2 * K] = {};  // row r: sum dxhat, sum dxhat * xhat
+    float sums[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
       if (c >= nvec) continue;
+      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
       Vec<float, VEC> w, bi;
       if (weight) w = load_vec<float, VEC>(weight + c * VEC);
       if (bias) bi = load_vec<float, VEC>(bias + c * VEC);
+      Vec<M, VEC> dshift_out, dscale_out;
       Vec<float, VEC> s1, s2;
       if (a.partial != nullptr) {
         s1 = load_vec<float, VEC>(acc1 + c * VEC);
         s2 = load_vec<float, VEC>(acc2 + c * VEC);
       }
-      // Rows in order (n, then n + 1), so the column sums add up as in a one-row loop.
 #pragma unroll
-      for (int r = 0; r < K; ++r) {
-        if (!rows.has(r)) continue;
-        const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + r * a.scale_sn + c * VEC);
-        Vec<M, VEC> dshift_out, dscale_out;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xh = (static_cast<float>(xv[r][i].v[k]) - mu[r]) * rs[r];
-          const float dyf = static_cast<float>(dyv[r][i].v[k]);
-          const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
-          const float dxh = weight ? dz * w.v[k] : dz;
-          sums[2 * r] += dxh;
-          sums[2 * r + 1] += dxh * xh;
-          if (per_sample_sums) {
-            s1.v[k] += dyf;
-            s2.v[k] += dyf * xh;
-          } else if (param_sums) {
-            s1.v[k] += dz;
-            s2.v[k] += dz * xh;
-          }
-          if (per_token) {
-            float z = weight ? xh * w.v[k] : xh;
-            if (bias) z += bi.v[k];
-            dshift_out.v[k] = static_cast<M>(dyf);
-            dscale_out.v[k] = static_cast<M>(dyf * z);
-          }
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+        const float dyf = static_cast<float>(dyv[i].v[k]);
+        const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
+        const float dxh = weight ? dz * w.v[k] : dz;
+        sums[0] += dxh;
+        sums[1] += dxh * xh;
+        if (per_sample_sums) {
+          s1.v[k] += dyf;
+          s2.v[k] += dyf * xh;
+        } else if (param_sums) {
+          s1.v[k] += dz;
+          s2.v[k] += dz * xh;
         }
         if (per_token) {
-          store_vec<M, VEC>(a.dshift_tok + rows[r] * a.dim + c * VEC, dshift_out);
-          store_vec<M, VEC>(a.dscale_tok + rows[r] * a.dim + c * VEC, dscale_out);
+          float z = weight ? xh * w.v[k] : xh;
+          if (bias) z += bi.v[k];
+          dshift_out.v[k] = static_cast<M>(dyf);
+          dscale_out.v[k] = static_cast<M>(dyf * z);
         }
       }
       if (a.partial != nullptr) {
         store_vec<float, VEC>(acc1 + c * VEC, s1);
         store_vec<float, VEC>(acc2 + c * VEC, s2);
       }
-    }
-#pragma unroll
-    for (int r = 0; r < K; ++r) {
-      forget_values(xv[r]);
-      forget_values(dyv[r]);
-    }
-    block_sum<2 * K>(sums, smem);
-#pragma unroll
-    for (int r = 0; r < K; ++r) {
-      if (!rows.has(r)) continue;
-      const float mean_dxhat = sums[2 * r] * inv_dim, mean_dxhat_xhat = sums[2 * r + 1] * inv_dim;
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c >= nvec) continue;
-        const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + r * a.scale_sn + c * VEC);  // L1 hits
-        Vec<float, VEC> w;
-        if (weight) w = load_vec<float, VEC>(weight + c * VEC);
-        Vec<T, VEC> out;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float xh = (static_cast<float>(xv[r][i].v[k]) - mu[r]) * rs[r];
-          const float dz = static_cast<float>(dyv[r][i].v[k]) * (1.f + static_cast<float>(sc.v[k]));
-          const float dxh = weight ? dz * w.v[k] : dz;
-          out.v[k] = static_cast<T>(rs[r] * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
-        }
-        store_vec<T, VEC>(a.dx + rows[r] * a.dim + c * VEC, out);
+      if (per_token) {
+        store_vec<M, VEC>(a.dshift_tok + row * a.dim + c * VEC, dshift_out);
+        store_vec<M, VEC>(a.dscale_tok + row * a.dim + c * VEC, dscale_out);
       }
+    }
+    block_sum<2>(sums, smem);
+    const float mean_dxhat = sums[0] * inv_dim, mean_dxhat_xhat = sums[1] * inv_dim;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c >= nvec) continue;
+      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);  // L1 hit
+      Vec<float, VEC> w;
+      if (weight) w = load_vec<float, VEC>(weight + c * VEC);
+      Vec<T, VEC> out;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
+        const float dz = static_cast<float>(dyv[i].v[k]) * (1.f + static_cast<float>(sc.v[k]));
+        const float dxh = weight ? dz * w.v[k] : dz;
+        out.v[k] = static_cast<T>(rs * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
+      }
+      store_vec<T, VEC>(a.dx + row * a.dim + c * VEC, out);
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      xv[i] = x_next[i];
+      dyv[i] = dy_next[i];
     }
   }
   if (a.partial == nullptr) return;

@@ -125,22 +125,6 @@ CASES = [
     (1, 1, 3072, torch.bfloat16, "per_token", torch.float32, True),
     (3, 1023, 3072, torch.bfloat16, "per_sample", torch.bfloat16, False),
     (2, 300, 1540, torch.float32, "per_token", torch.float32, False),
-    # Two rows per step in the block kernels: per block, odd row counts (the last step has one row)
-    # and even ones at every block-path D. Forward: block i takes rows i, i + G, ... (G resident
-    # blocks), so an odd B * N > G gives counts q and q + 1. Backward: tiles of ceil(N / P) rows,
-    # P = resident blocks / B, and a shorter last tile. On an H200 (132 SMs, nvcc 13.0 resources)
-    # each case below has 3 and 4 rows per forward block and tiles of both parities (4 and 5 at
-    # D = 5120; 1 and 4 at D = 16384); N = 1 has one row per block and tile.
-    (2, 1195, 3072, torch.bfloat16, "per_sample", torch.bfloat16, False),
-    (2, 799, 3080, torch.bfloat16, "per_token", torch.bfloat16, True),  # 3080: last vectors unowned
-    (1, 1591, 3080, torch.bfloat16, "per_sample", torch.bfloat16, False),
-    (1, 1199, 5120, torch.bfloat16, "per_sample", torch.bfloat16, False),
-    (2, 205, 16384, torch.bfloat16, "per_token", torch.float32, False),
-    (3, 799, 2056, torch.bfloat16, "per_token", torch.float32, False),
-    (3, 799, 1028, torch.float32, "per_sample", torch.float32, True),
-    (2, 799, 1540, torch.float32, "per_sample", torch.float32, False),
-    (4, 1, 8192, torch.bfloat16, "per_sample_2d", torch.bfloat16, True),
-    (3, 1, 1540, torch.float32, "per_token", torch.float32, False),
 ]
 
 
@@ -175,13 +159,10 @@ def test_dshift_dscale_separately_per_sample():
     assert rel_err(dshift, ref_dshift) <= 1e-5 and rel_err(dscale, ref_dscale) <= 1e-5
 
 
-@pytest.mark.parametrize(
-    "mod_kind, seq, dim", [("per_sample", 20000, 1536), ("per_token", 20000, 1536), ("per_sample", 3001, 5120)]
-)
-def test_gradients_are_bitwise_deterministic(mod_kind, seq, dim):
-    """D = 1536: warp forward, block backward; D = 5120: block kernels both ways (rows in pairs)."""
+@pytest.mark.parametrize("mod_kind", ["per_sample", "per_token"])
+def test_gradients_are_bitwise_deterministic(mod_kind):
     gen = torch.Generator(device="cuda").manual_seed(23)
-    x, leaf, views, weight, bias = make_inputs(2, seq, dim, torch.bfloat16, mod_kind, torch.float32, True, gen)
+    x, leaf, views, weight, bias = make_inputs(2, 20000, 1536, torch.bfloat16, mod_kind, torch.float32, True, gen)
     dy = torch.randn_like(x)
     y1, g1 = run_fused(x, leaf, views, weight, bias, dy)
     y2, g2 = run_fused(x, leaf, views, weight, bias, dy)

@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from 
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
-from lightning_adaptiveload.callbacks.balance import CSV_NAME, cross_rank_stats, temporal_cv  # noqa: E402
+from lightning_adaptiveload.callbacks.balance import (  # noqa: E402
+    CSV_NAME, cross_rank_stats, temporal_cv, time_beyond_prediction_ms)
 from lightning_adaptiveload.cli.report import read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
@@ -219,7 +220,7 @@ def summarize_run(res: dict) -> dict:
         # rank) against the measured step times: what per-step costs the model leaves out.
         "predicted_step_sum_s": float(cols["load"].max(axis=1).sum() / 1e3),
         "measured_step_sum_s": float(cols["step_time_ms"].mean(axis=1).sum() / 1e3),
-        "unpredicted_ms_per_step": float((cols["step_time_ms"].mean(axis=1) - cols["load"].max(axis=1)).mean()),
+        "unpredicted_ms_per_step": float(time_beyond_prediction_ms(cols["load"].T, cols["step_time_ms"].T).mean()),
         "steps": batches,
         "calibration_s": res["calibration"]["seconds"],
         "calibration_from_cache": res["calibration"]["from_cache"],

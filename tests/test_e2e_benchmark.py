@@ -118,20 +118,28 @@ def test_report_without_the_baseline_is_a_clear_error(tmp_path):
         e2e.report(args)
 
 
+def _run_file(work: Path, name: str, epoch_s: float, rng: np.random.Generator) -> dict:
+    """A run as `e2e.py run` leaves it for the report: monitor CSV under <work>/<name>/version_0
+    and the result dict (returned, not yet written to <work>/<name>.json)."""
+    log_dir = work / name / "version_0"
+    cols = _write_run(log_dir, rng)
+    return {**_result(name, log_dir, epoch_s, rng, cols["samples"][:, 0]), "command": f"run {name}", "devices": WORLD,
+            "versions": {}, "device": "cpu", "date": "d", "layers": 1, "m_mem": 65536, "scale": "cpu",
+            "samples_in_shards": 100}
+
+
+def _write_cost_model(work: Path) -> None:
+    e2e.CostModel("power", {"a": 5.0, "b": 1e-4, "p": 1.3}, 1.3, {}).to_json(
+        work / "token_equal" / "version_0" / "calibration_cost_model.json")
+
+
 def test_report_repeats_a_configuration_that_had_the_same_plan(tmp_path):
     """dual_constraint skipped as the same plan as token_equal: its row repeats token_equal's
     numbers, marked, with zero loss difference; measured rows are unaffected."""
     rng = np.random.default_rng(6)
-    runs = {}
     for name, epoch_s in (("token_equal", 9.0), ("balanced", 7.0)):
-        log_dir = tmp_path / name / "version_0"
-        cols = _write_run(log_dir, rng)
-        runs[name] = {**_result(name, log_dir, epoch_s, rng, cols["samples"][:, 0]), "command": f"run {name}",
-                      "devices": WORLD, "versions": {}, "device": "cpu", "date": "d", "layers": 1, "m_mem": 65536,
-                      "scale": "cpu", "samples_in_shards": 100}
-        (tmp_path / f"{name}.json").write_text(json.dumps(runs[name]))
-    e2e.CostModel("power", {"a": 5.0, "b": 1e-4, "p": 1.3}, 1.3, {}).to_json(
-        tmp_path / "token_equal" / "version_0" / "calibration_cost_model.json")
+        (tmp_path / f"{name}.json").write_text(json.dumps(_run_file(tmp_path, name, epoch_s, rng)))
+    _write_cost_model(tmp_path)
     (tmp_path / "dual_constraint.json").write_text(json.dumps(
         {"config": "dual_constraint", "same_plan_as": "token_equal", "command": "run dual_constraint"}))
     args = type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")})
@@ -159,19 +167,14 @@ def test_report_repeats_a_configuration_that_had_the_same_plan(tmp_path):
 def test_report_compares_fused_and_unfused_batch_by_batch(tmp_path):
     rng = np.random.default_rng(7)
     for name in ("token_equal", "balanced", "balanced_fused"):
-        log_dir = tmp_path / name / "version_0"
-        cols = _write_run(log_dir, rng)
-        res = {**_result(name, log_dir, 5.0, rng, cols["samples"][:, 0]), "command": name, "devices": WORLD,
-               "versions": {}, "device": "cpu", "date": "d", "layers": 1, "m_mem": 65536, "scale": "cpu",
-               "samples_in_shards": 100}
+        res = _run_file(tmp_path, name, 5.0, rng)
         if name == "balanced_fused":  # the same batches as balanced, losses off by known factors
             base = json.loads((tmp_path / "balanced.json").read_text())
             factors = 1 + rng.uniform(-1e-3, 1e-3, size=len(base["losses_rank0"]))
             res["losses_rank0"] = (np.asarray(base["losses_rank0"]) * factors).tolist()
             res["samples_rank0"] = base["samples_rank0"]
         (tmp_path / f"{name}.json").write_text(json.dumps(res))
-    e2e.CostModel("power", {"a": 5.0, "b": 1e-4, "p": 1.3}, 1.3, {}).to_json(
-        tmp_path / "token_equal" / "version_0" / "calibration_cost_model.json")
+    _write_cost_model(tmp_path)
     e2e.report(type("Args", (), {"workdir": str(tmp_path), "out": str(tmp_path / "r.json")}))
     rows = {r["config"]: r for r in json.loads((tmp_path / "r.json").read_text())["runs"]}
     assert rows["balanced_fused"]["batch_loss_max_rel_diff_vs_balanced"] == pytest.approx(

@@ -68,6 +68,13 @@ def cross_rank_stats(values: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+def time_beyond_prediction_ms(load_ms: np.ndarray, step_time_ms: np.ndarray) -> np.ndarray:
+    """Per step (steps,): the ranks' mean measured step time minus the predicted load of the
+    slowest rank, from `load_ms` and `step_time_ms` of shape (world, steps): what the cost model
+    leaves out (optimizer step, waits between ranks inside the step, model error)."""
+    return step_time_ms.mean(axis=0) - load_ms.max(axis=0)
+
+
 def temporal_cv(step_times_ms) -> float:
     """Population std / mean of a sequence of step times; 0 for fewer than 2 values."""
     values = np.asarray(step_times_ms, dtype=np.float64)
@@ -218,7 +225,7 @@ class LoadBalanceMonitor(Callback):
             "throughput/tokens_per_s": float(tokens.sum() / interval_s) if interval_s > 0 else 0.0,
         }
         if self._active_cost_model is not None:  # loads are predicted ms, comparable with step times
-            unpredicted = step_ms.mean(axis=0) - load.max(axis=0)
+            unpredicted = time_beyond_prediction_ms(load, step_ms)
             run["unpredicted_ms"].append(unpredicted)
             metrics["balance/unpredicted_ms"] = float(unpredicted.mean())
         for r in range(rows.shape[0]):

@@ -33,17 +33,19 @@ def cuda_include_dirs() -> list[str]:
     return [str(Path(r) / "nvidia" / "cu13" / "include") for r in roots if (Path(r) / "nvidia" / "cu13" / "include").is_dir()]
 
 
-def _jit_build() -> ModuleType:
+def jit_build(csrc_dir: Path = CSRC_DIR, name: str = "adaptiveload_C_jit") -> ModuleType:
+    """Compile the kernels in csrc_dir (with its build_flags.json) by torch.utils.cpp_extension.load,
+    cached under `name` and rebuilt when sources or flags change; returns the loaded module."""
     from torch.utils.cpp_extension import load
 
-    flags = json.loads(BUILD_FLAGS_FILE.read_text())
+    flags = json.loads((csrc_dir / "build_flags.json").read_text())
     archs = os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", ";".join(flags["cuda_archs"])).split(";")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
     return load(
-        name="adaptiveload_C_jit",
-        sources=[str(CSRC_DIR / s) for s in flags["sources"]],
-        extra_include_paths=[str(CSRC_DIR)] + cuda_include_dirs(),
+        name=name,
+        sources=[str(csrc_dir / s) for s in flags["sources"]],
+        extra_include_paths=[str(csrc_dir)] + cuda_include_dirs(),
         extra_cflags=flags["cxx"],
         extra_cuda_cflags=flags["nvcc"] + gencode,
         verbose=False,
@@ -71,7 +73,7 @@ def load_extension() -> tuple[ModuleType | None, str]:
                 result = (None, f"reference: prebuilt extension missing ({prebuilt_error}) and no nvcc/csrc for a JIT build")
             else:
                 try:
-                    result = (_jit_build(), f"cuda: JIT-built from {CSRC_DIR} (cached by torch.utils.cpp_extension)")
+                    result = (jit_build(), f"cuda: JIT-built from {CSRC_DIR} (cached by torch.utils.cpp_extension)")
                 except Exception as jit_error:  # a failed build must not take training down
                     result = (None, f"reference: JIT build failed: {jit_error}")
             if result[0] is None:

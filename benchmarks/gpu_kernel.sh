@@ -51,6 +51,11 @@ cases = [  # (B, N, D, x dtype, per_token, affine, mod fp32)
     (3, 7, 96, torch.float32, True, True, True),  # fp32 warp, per token + affine partials
     (2, 9, 3072, torch.bfloat16, False, False, False),  # block forward 96 threads x 4, lean backward
     (1, 3, 2048 * 8, torch.bfloat16, False, True, False),  # block, 512 threads x 4, general
+    (1, 5, 8192, torch.bfloat16, False, False, True),  # block forward 512 threads x 2
+    # Warp forward at 20 vectors per lane; backward 320 x 2 with rows in pairs and, on an H200,
+    # tiles of 2 rows and a last one of 1 (a pair step and a lone-row step).
+    (1, 401, 5120, torch.bfloat16, False, False, False),  # lean backward
+    (1, 401, 5120, torch.bfloat16, True, True, True),  # general backward
     (2, 4, 33, torch.float32, False, True, True),  # generic forward/dx/partial kernels
     (2, 4, 33, torch.float16, True, False, True),  # generic, per token, no partials
 ]

@@ -17,7 +17,8 @@ constexpr int kRowWarps = 4;
 
 // Register cap of the warp forward kernel by 16-byte vectors per lane (4 registers each).
 // Uncapped, ptxas takes 118 registers for bf16 D = 1536 (VPL = 6), i.e. 16 resident rows per SM;
-// capped at 64, 32 rows, without spills (nvcc 13.0, sm_90).
+// capped at 64, 32 rows, without spills (nvcc 13.0, sm_90). At VPL = 20 (D = 5120) the cap is 120:
+// 16 rows per SM.
 constexpr int warp_fwd_max_registers(int vpl) { return 40 + 4 * vpl; }
 
 // N elements loaded/stored as one aligned access (16 bytes for 8 bf16 or 4 fp32).

@@ -8,7 +8,7 @@
 // a warp touches contiguous memory). Forward: rows of at most 32 * 8 vectors are owned by one
 // warp (several independent rows per block, shuffle reductions only), wider rows by a block
 // (block reductions); the row math is written once (fwd_row) against the WarpRow / BlockRow
-// split of adaln_common.cuh. Backward: one block per tile of rows of one sample.
+// split of adaln_common.cuh. Backward: one block per tile of rows of one sample, two rows per step.
 // Generic path (any D/alignment): same math with scalar strided loops that re-read the row.
 //
 // Backward reductions over the sequence (dshift, dscale per sample; dweight, dbias) use the
@@ -205,14 +205,20 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_fwd_generic_kernel(FwdArgs<
 // ---------------------------------------------------------------- backward
 
 // dx for every row of tile blockIdx.x of sample blockIdx.y, fused with the D-tile partial sums.
-// The next row's x and dy are loaded before this row's reduction (software pipelining); dxhat is
-// recomputed after the reduction instead of held, to leave registers for that prefetch.
+// Rows go in pairs (n, n + 1; an odd tile ends with one row alone): both are loaded at once and
+// reduced together, one block_sum of four values per pair instead of two of two, and each
+// thread's column sums are read and written once per pair. No prefetch of the next pair (x and dy
+// of four rows would not fit the register caps below): on an H200 this ran 6-9% faster than one
+// row at a time with the next row prefetched at D = 3072 and 5120, and the same at D = 1536
+// (benchmarks/results/kernel_variants/). Within the caps without spills (nvcc 13.0, sm_90) only
+// because dxhat is recomputed after the reduction from inputs re-converted there (forget_values).
 // kGeneral = false compiles the hot case (per-sample modulation, no affine) without the
 // registers that per-token outputs and weight/bias need.
 template <typename T, typename M, int VPT, bool kGeneral>
 __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(BwdArgs<T, M> a) {
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ float smem[2 * kWarpSize];
+  constexpr int K = 2;  // rows per step
+  __shared__ float smem[2 * K * kWarpSize];
   const float* weight = kGeneral ? a.weight : nullptr;
   const float* bias = kGeneral ? a.bias : nullptr;
   const bool per_token = kGeneral && a.per_token;
@@ -226,7 +232,7 @@ __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(Bwd
   const float inv_dim = 1.f / a.dim;
 
   // Column sums live in shared memory (2 * D floats, dynamic), not registers: registers go to
-  // the prefetched row instead. Each thread only touches its own features: no barriers needed.
+  // the pair of rows instead. Each thread only touches its own features: no barriers needed.
   extern __shared__ __align__(32) float dynamic_smem[];
   float* acc1 = dynamic_smem;
   float* acc2 = acc1 + a.dim;
@@ -243,89 +249,100 @@ __global__ void __maxnreg__(VPT < kMaxVpt ? 96 : 128) adaln_bwd_fused_kernel(Bwd
     }
   }
 
-  Vec<T, VEC> xv[VPT], dyv[VPT];
-  if (n0 < n1) {
-    load_row(xv, a.x + (b * a.seq + n0) * a.dim, row_split);
-    load_row(dyv, a.dy + (b * a.seq + n0) * a.dim, row_split);
-  }
-  for (int64_t n = n0; n < n1; ++n) {
-    const int64_t row = b * a.seq + n;
-    Vec<T, VEC> x_next[VPT], dy_next[VPT];
-    if (n + 1 < n1) {
-      load_row(x_next, a.x + (row + 1) * a.dim, row_split);
-      load_row(dy_next, a.dy + (row + 1) * a.dim, row_split);
+  for (int64_t n = n0; n < n1; n += K) {
+    const int64_t row0 = b * a.seq + n;
+    const int count = static_cast<int>(n1 - n < K ? n1 - n : K);  // rows in this step, the same for the whole block
+    Vec<T, VEC> xv[K][VPT], dyv[K][VPT];
+    float mu[K] = {}, rs[K] = {};
+#pragma unroll
+    for (int r = 0; r < K; ++r) {
+      if (r >= count) continue;
+      load_row(xv[r], a.x + (row0 + r) * a.dim, row_split);
+      load_row(dyv[r], a.dy + (row0 + r) * a.dim, row_split);
+      mu[r] = a.mean[row0 + r];
+      rs[r] = a.rstd[row0 + r];
     }
-    const float mu = a.mean[row], rs = a.rstd[row];
+    // Row r's scale is at scale_row + r * scale_sn; per-sample modulation (all that kGeneral =
+    // false sees) has scale_sn = 0, so the second row's scale loads hit L1.
     const M* scale_row = a.scale + b * a.scale_sb + n * a.scale_sn;
-    float sums[2] = {0.f, 0.f};
+    float sums[2 * K] = {};  // row r: sum dxhat, sum dxhat * xhat
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = threadIdx.x + i * blockDim.x;
       if (c >= nvec) continue;
-      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);
       Vec<float, VEC> w, bi;
       if (weight) w = load_vec<float, VEC>(weight + c * VEC);
       if (bias) bi = load_vec<float, VEC>(bias + c * VEC);
-      Vec<M, VEC> dshift_out, dscale_out;
       Vec<float, VEC> s1, s2;
       if (a.partial != nullptr) {
         s1 = load_vec<float, VEC>(acc1 + c * VEC);
         s2 = load_vec<float, VEC>(acc2 + c * VEC);
       }
+      // Rows in order (n, then n + 1), so the column sums add up as in a one-row loop.
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
-        const float dyf = static_cast<float>(dyv[i].v[k]);
-        const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
-        const float dxh = weight ? dz * w.v[k] : dz;
-        sums[0] += dxh;
-        sums[1] += dxh * xh;
-        if (per_sample_sums) {
-          s1.v[k] += dyf;
-          s2.v[k] += dyf * xh;
-        } else if (param_sums) {
-          s1.v[k] += dz;
-          s2.v[k] += dz * xh;
+      for (int r = 0; r < K; ++r) {
+        if (r >= count) continue;
+        const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + r * a.scale_sn + c * VEC);
+        Vec<M, VEC> dshift_out, dscale_out;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = (static_cast<float>(xv[r][i].v[k]) - mu[r]) * rs[r];
+          const float dyf = static_cast<float>(dyv[r][i].v[k]);
+          const float dz = dyf * (1.f + static_cast<float>(sc.v[k]));
+          const float dxh = weight ? dz * w.v[k] : dz;
+          sums[2 * r] += dxh;
+          sums[2 * r + 1] += dxh * xh;
+          if (per_sample_sums) {
+            s1.v[k] += dyf;
+            s2.v[k] += dyf * xh;
+          } else if (param_sums) {
+            s1.v[k] += dz;
+            s2.v[k] += dz * xh;
+          }
+          if (per_token) {
+            float z = weight ? xh * w.v[k] : xh;
+            if (bias) z += bi.v[k];
+            dshift_out.v[k] = static_cast<M>(dyf);
+            dscale_out.v[k] = static_cast<M>(dyf * z);
+          }
         }
         if (per_token) {
-          float z = weight ? xh * w.v[k] : xh;
-          if (bias) z += bi.v[k];
-          dshift_out.v[k] = static_cast<M>(dyf);
-          dscale_out.v[k] = static_cast<M>(dyf * z);
+          store_vec<M, VEC>(a.dshift_tok + (row0 + r) * a.dim + c * VEC, dshift_out);
+          store_vec<M, VEC>(a.dscale_tok + (row0 + r) * a.dim + c * VEC, dscale_out);
         }
       }
       if (a.partial != nullptr) {
         store_vec<float, VEC>(acc1 + c * VEC, s1);
         store_vec<float, VEC>(acc2 + c * VEC, s2);
       }
-      if (per_token) {
-        store_vec<M, VEC>(a.dshift_tok + row * a.dim + c * VEC, dshift_out);
-        store_vec<M, VEC>(a.dscale_tok + row * a.dim + c * VEC, dscale_out);
-      }
-    }
-    block_sum<2>(sums, smem);
-    const float mean_dxhat = sums[0] * inv_dim, mean_dxhat_xhat = sums[1] * inv_dim;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
-      if (c >= nvec) continue;
-      const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + c * VEC);  // L1 hit
-      Vec<float, VEC> w;
-      if (weight) w = load_vec<float, VEC>(weight + c * VEC);
-      Vec<T, VEC> out;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = (static_cast<float>(xv[i].v[k]) - mu) * rs;
-        const float dz = static_cast<float>(dyv[i].v[k]) * (1.f + static_cast<float>(sc.v[k]));
-        const float dxh = weight ? dz * w.v[k] : dz;
-        out.v[k] = static_cast<T>(rs * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
-      }
-      store_vec<T, VEC>(a.dx + row * a.dim + c * VEC, out);
     }
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      xv[i] = x_next[i];
-      dyv[i] = dy_next[i];
+    for (int r = 0; r < K; ++r) {
+      forget_values(xv[r]);
+      forget_values(dyv[r]);
+    }
+    block_sum<2 * K>(sums, smem);
+#pragma unroll
+    for (int r = 0; r < K; ++r) {
+      if (r >= count) continue;
+      const float mean_dxhat = sums[2 * r] * inv_dim, mean_dxhat_xhat = sums[2 * r + 1] * inv_dim;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c >= nvec) continue;
+        const Vec<M, VEC> sc = load_vec<M, VEC>(scale_row + r * a.scale_sn + c * VEC);  // L1 hits
+        Vec<float, VEC> w;
+        if (weight) w = load_vec<float, VEC>(weight + c * VEC);
+        Vec<T, VEC> out;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xh = (static_cast<float>(xv[r][i].v[k]) - mu[r]) * rs[r];
+          const float dz = static_cast<float>(dyv[r][i].v[k]) * (1.f + static_cast<float>(sc.v[k]));
+          const float dxh = weight ? dz * w.v[k] : dz;
+          out.v[k] = static_cast<T>(rs[r] * (dxh - mean_dxhat - xh * mean_dxhat_xhat));
+        }
+        store_vec<T, VEC>(a.dx + (row0 + r) * a.dim + c * VEC, out);
+      }
     }
   }
   if (a.partial == nullptr) return;
@@ -400,7 +417,10 @@ __global__ void __launch_bounds__(kMaxThreads) adaln_bwd_partial_generic_kernel(
   part[a.dim + d] = acc2;
 }
 
-constexpr int kFinishRows = 16;  // blockDim.y of the finishing kernel
+// blockDim.y of the finishing kernel. The partials (tiles * 2 * D floats: 11 MB at D = 1536 on an
+// H200) are read by only D / 32 blocks, so each thread keeps 8 tiles' loads in flight: at 16 rows
+// and 4 loads this kernel was latency-bound (8-12 us at D = 1536, 5-6 us after).
+constexpr int kFinishRows = 32;
 
 // Second, deterministic stage: sums partials (B, tiles, 2, D) over tiles in a fixed order.
 // Block (32, kFinishRows): a warp reads 32 consecutive features of one tile.
@@ -415,7 +435,7 @@ __global__ void adaln_bwd_finish_kernel(const float* __restrict__ partial, const
   for (int b = 0; b < batch; ++b) {
     float s1 = 0.f, s2 = 0.f;
     if (d < dim) {
-#pragma unroll 4
+#pragma unroll 8
       for (int t = ty; t < tiles; t += kFinishRows) {
         const float* p = partial + (static_cast<int64_t>(b) * tiles + t) * 2 * dim + d;
         s1 += p[0];

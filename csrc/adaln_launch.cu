@@ -15,10 +15,11 @@ namespace adaptiveload {
 namespace {
 
 // 16-byte vectors per lane (warp forward kernel) or per thread (block kernels) that get a kernel
-// instantiation; a row takes the smallest that fits. The warp list stops at 8 (D = 2048 for
-// 16-bit x, 1024 for fp32): at D = 3072 (12 per lane) the warp kernel was no faster than a
-// 96-thread block on the H200 (benchmarks/results/kernel_variants/).
-using WarpVpls = std::integer_sequence<int, 1, 2, 4, 6, 8>;
+// instantiation; a row takes the smallest that fits. Warp rows: up to 8 vectors per lane (D = 2048
+// for 16-bit x, 1024 for fp32), then 20 for rows too wide for a block of kRowThreads (D = 4104 to
+// 5120 for 16-bit x, 2052 to 2560 for fp32), see choose_config.
+using WarpVpls = std::integer_sequence<int, 1, 2, 4, 6, 8, 20>;
+constexpr int kWarpVplNarrow = 8;
 using BlockVpts = std::integer_sequence<int, 1, 2, kMaxVpt>;
 constexpr int kRowThreads = 128;  // preferred block size of the block kernels
 
@@ -84,14 +85,20 @@ struct LaunchConfig {
 // of each row's block reductions (H200, D = 1536: 192-thread blocks ran at 1.7x the copy floor,
 // 96-thread blocks at 1.4x). Rows wider than kRowThreads * kMaxVpt vectors take the fewest vectors
 // per thread that fit kMaxThreads (D = 5120 bf16: 320 x 2, whose backward ran 3% faster than
-// 160 x 4). Anything else runs the generic scalar kernels.
+// 160 x 4), except in the forward up to 20 vectors per lane, which go to one warp again: at
+// D = 5120 the block forward (320 x 2, 3 blocks per SM) ran at 1.3x the copy floor, the warp
+// kernel (16 rows per SM) at 1.1x; at D = 3072 the warp (12 per lane) lost to 96 x 4 blocks.
+// Anything else runs the generic scalar kernels.
 template <typename T>
 LaunchConfig choose_config(int64_t dim, bool vectorizable, bool warp_rows) {
   constexpr int VEC = 16 / sizeof(T);
   if (vectorizable && dim % VEC == 0) {
     const int64_t nvec = dim / VEC;
-    const int vpl = warp_rows ? smallest_fit(WarpVpls{}, nvec, kWarpSize) : 0;
-    if (vpl) return {RowPath::kWarp, vpl, kRowWarps * kWarpSize};
+    if (warp_rows) {
+      const int vpl = smallest_fit(WarpVpls{}, nvec, kWarpSize);
+      if (vpl && (vpl <= kWarpVplNarrow || nvec > kRowThreads * kMaxVpt))
+        return {RowPath::kWarp, vpl, kRowWarps * kWarpSize};
+    }
     int vpt = smallest_fit(BlockVpts{}, nvec, kRowThreads);
     if (!vpt) vpt = smallest_fit(BlockVpts{}, nvec, kMaxThreads);
     if (vpt) return {RowPath::kBlock, vpt, static_cast<int>(ceil_div(ceil_div(nvec, vpt), 32) * 32)};

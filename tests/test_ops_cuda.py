@@ -125,6 +125,29 @@ CASES = [
     (1, 1, 3072, torch.bfloat16, "per_token", torch.float32, True),
     (3, 1023, 3072, torch.bfloat16, "per_sample", torch.bfloat16, False),
     (2, 300, 1540, torch.float32, "per_token", torch.float32, False),
+    # Warp forward at 20 vectors per lane, for rows too wide for a 128-thread block (16-bit x:
+    # D = 4104 ... 5120; fp32: 2052 ... 2560), and the block-path D on either side.
+    (2, 777, 4096, torch.bfloat16, "per_sample", torch.float32, True),  # last block D below
+    (2, 501, 4104, torch.bfloat16, "per_token", torch.bfloat16, False),  # first warp-20 D
+    (3, 999, 5120, torch.bfloat16, "per_sample", torch.float32, False),  # Wan 14B
+    (1, 333, 5128, torch.float16, "per_sample", torch.float16, True),  # first block D above
+    (2, 301, 2052, torch.float32, "per_token", torch.float32, True),  # fp32 first warp-20 D
+    (2, 403, 2560, torch.float32, "per_sample_2d", torch.float32, False),  # fp32 last warp-20 D
+    (2, 257, 2564, torch.float32, "per_sample", torch.float32, False),  # fp32 first block D above
+    # Backward rows in pairs: tiles of ceil(N / P) rows (P = resident blocks / B) and a shorter last
+    # tile, so odd and even row counts per tile (a pair step and a lone-row step). On an H200
+    # (132 SMs, nvcc 13.0 resources) the cases below have tiles of both parities (4 and 5 rows at
+    # D = 5120; 1 and 4 at D = 16384); N = 1 has one row per tile.
+    (2, 1195, 3072, torch.bfloat16, "per_sample", torch.bfloat16, False),
+    (2, 799, 3080, torch.bfloat16, "per_token", torch.bfloat16, True),  # 3080: last vectors unowned
+    (1, 1591, 3080, torch.bfloat16, "per_sample", torch.bfloat16, False),
+    (1, 1199, 5120, torch.bfloat16, "per_sample", torch.bfloat16, False),
+    (2, 205, 16384, torch.bfloat16, "per_token", torch.float32, False),
+    (3, 799, 2056, torch.bfloat16, "per_token", torch.float32, False),
+    (3, 799, 1028, torch.float32, "per_sample", torch.float32, True),
+    (2, 799, 1540, torch.float32, "per_sample", torch.float32, False),
+    (4, 1, 8192, torch.bfloat16, "per_sample_2d", torch.bfloat16, True),
+    (3, 1, 1540, torch.float32, "per_token", torch.float32, False),
 ]
 
 
@@ -159,10 +182,13 @@ def test_dshift_dscale_separately_per_sample():
     assert rel_err(dshift, ref_dshift) <= 1e-5 and rel_err(dscale, ref_dscale) <= 1e-5
 
 
-@pytest.mark.parametrize("mod_kind", ["per_sample", "per_token"])
-def test_gradients_are_bitwise_deterministic(mod_kind):
+@pytest.mark.parametrize(
+    "mod_kind, seq, dim", [("per_sample", 20000, 1536), ("per_token", 20000, 1536), ("per_sample", 3001, 5120)]
+)
+def test_gradients_are_bitwise_deterministic(mod_kind, seq, dim):
+    """Two runs give bitwise-equal outputs and gradients at both backward block sizes (96 and 320 threads)."""
     gen = torch.Generator(device="cuda").manual_seed(23)
-    x, leaf, views, weight, bias = make_inputs(2, 20000, 1536, torch.bfloat16, mod_kind, torch.float32, True, gen)
+    x, leaf, views, weight, bias = make_inputs(2, seq, dim, torch.bfloat16, mod_kind, torch.float32, True, gen)
     dy = torch.randn_like(x)
     y1, g1 = run_fused(x, leaf, views, weight, bias, dy)
     y2, g2 = run_fused(x, leaf, views, weight, bias, dy)

@@ -220,6 +220,20 @@ def print_verdicts(r: dict, summary_key: str, label: str) -> None:
     print(f"{str((r['B'], r['N'], r['D'])):>16} {label:>8}  " + "  ".join(parts))
 
 
+def gpu_run_meta(doc: str) -> dict:
+    """Header fields of a GPU benchmark's result file: what ran (first line of `doc`), where,
+    with which versions, when (UTC) and the exact command."""
+    return {
+        "description": doc.strip().splitlines()[0],
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": __import__("triton").__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/adaln_h200.json"))
@@ -249,14 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, "fwd_ms", "bwd_ms", "do_bench, direct calls (includes Python/launch overhead)")
     print_targets(rows)
     result = {
-        "description": __doc__.strip().splitlines()[0],
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": __import__("triton").__version__,
+        **gpu_run_meta(__doc__),
         "backend": backend,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
         "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
         "rows": rows,
     }

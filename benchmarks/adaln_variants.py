@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaln import EPS, SHAPES, time_graph_ms, time_ms  # noqa: E402
+from adaln import EPS, SHAPES, gpu_run_meta, time_graph_ms, time_ms  # noqa: E402
 
 from lightning_adaptiveload.ops.extension import jit_build  # noqa: E402
 from lightning_adaptiveload.ops.reference import adaln_bwd_reference, adaln_fwd_reference  # noqa: E402
@@ -135,13 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[label]["error"] = f"worker exited {done.returncode}"
     print_table(results)
     meta = {
-        "description": __doc__.strip().splitlines()[0],
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
+        **gpu_run_meta(__doc__),
         "archs": os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", "build_flags.json"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
         "timing": "CUDA graph of 10 calls, median of 15 replays; floor: do_bench median of a copy of x",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,7 @@ SCALES = {
 SAME_BATCHES = {"balanced_fused": "balanced"}  # configuration -> one that trains the same batches
 WARMUP_STEPS = 5  # train batches left out of the per-step metrics
 LOSS_WINDOW = 64  # samples in the moving average of the loss curves (fewer for short runs)
+SEQ_LEN_EDGES = (10_000, 30_000)  # tokens per sample: bands of unpredicted_by_seq_len
 
 
 class RunRecorder(Callback):
@@ -221,10 +222,37 @@ def summarize_run(res: dict) -> dict:
         "predicted_step_sum_s": float(cols["load"].max(axis=1).sum() / 1e3),
         "measured_step_sum_s": float(cols["step_time_ms"].mean(axis=1).sum() / 1e3),
         "unpredicted_ms_per_step": float(time_beyond_prediction_ms(cols["load"].T, cols["step_time_ms"].T).mean()),
+        "unpredicted_by_seq_len": unpredicted_by_seq_len(cols),
+        # Outside the step (data loading, host work between batches): the slowest rank's, per batch.
+        "between_steps_ms": float((cols["interval_ms"][keep] - cols["step_time_ms"][keep]).max(axis=1).mean()),
         "steps": batches,
         "calibration_s": res["calibration"]["seconds"],
         "calibration_from_cache": res["calibration"]["from_cache"],
     }
+
+
+def unpredicted_by_seq_len(cols: dict[str, np.ndarray], edges: tuple[int, ...] = SEQ_LEN_EDGES) -> list[dict]:
+    """Where the cost model errs: the step time beyond it (time_beyond_prediction_ms, every batch)
+    by the step's sample length (the ranks' mean seq_len, tokens), in bands split at `edges`. Per
+    band with steps: their count, samples per rank, ms per step beyond the model, that as a
+    fraction of the predicted step (the slowest rank's load), and how differently the ranks'
+    batches were shaped ((max - min) / max of seq_len over the ranks)."""
+    beyond = time_beyond_prediction_ms(cols["load"].T, cols["step_time_ms"].T)
+    predicted = cols["load"].max(axis=1)
+    seq = cols["seq_len"].astype(np.float64)
+    spread = (seq.max(axis=1) - seq.min(axis=1)) / seq.max(axis=1)
+    band = np.searchsorted(np.asarray(edges), seq.mean(axis=1), side="right")
+    bounds = [0, *edges, None]
+    rows = []
+    for i in range(len(edges) + 1):
+        steps = band == i
+        if steps.any():
+            rows.append({"seq_len_from": bounds[i], "seq_len_to": bounds[i + 1], "steps": int(steps.sum()),
+                         "samples_per_rank": float(cols["samples"][steps].mean()),
+                         "unpredicted_ms_per_step": float(beyond[steps].mean()),
+                         "unpredicted_frac_of_predicted": float((beyond[steps] / predicted[steps]).mean()),
+                         "rank_seq_len_spread": float(spread[steps].mean())})
+    return rows
 
 
 def smoothed_loss_vs_samples(res: dict, grid: np.ndarray, window: int) -> np.ndarray:
@@ -266,6 +294,11 @@ def report(args: argparse.Namespace) -> None:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    print("step time beyond the cost model by sample length (tokens): ms per step (fraction of the predicted step)")
+    for r in rows:
+        print(f"  {r['config']:>16}: " + ", ".join(
+            f"{b['seq_len_from']}-{b['seq_len_to'] or ''} {b['unpredicted_ms_per_step']:.0f} ms "
+            f"({b['unpredicted_frac_of_predicted']:+.1%}, {b['steps']} steps)" for b in r["unpredicted_by_seq_len"]))
 
     # Loss congruence. Against token_equal (another data order): the smoothed loss vs samples
     # seen, over the whole epoch and over its second half (after the transient from random

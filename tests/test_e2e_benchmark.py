@@ -85,6 +85,37 @@ def test_summarize_run_follows_the_monitoring_definitions(tmp_path):
     assert got["unpredicted_ms_per_step"] == pytest.approx((sum(mean_time) - sum(slowest)) / BATCHES, rel=1e-12)
 
 
+def test_unpredicted_time_by_sample_length_bands(tmp_path):
+    """Each band's numbers from per-step loops; the bands' step-weighted mean is the run's
+    unpredicted_ms_per_step; the time between steps is interval minus step time, slowest rank."""
+    rng = np.random.default_rng(5)
+    cols = _write_run(tmp_path / "run", rng)
+    got = e2e.summarize_run(_result("balanced", tmp_path / "run", 7.5, rng, cols["samples"][:, 0]))
+    edges = (1000, 2500)
+    bands = e2e.unpredicted_by_seq_len(e2e.read_per_rank_csv(tmp_path / "run" / e2e.CSV_NAME), edges)
+    expect = {}
+    for i in range(BATCHES):
+        seq = [float(cols["seq_len"][i, r]) for r in range(WORLD)]
+        band = sum(sum(seq) / WORLD >= e for e in edges)
+        slowest = max(float(cols["load"][i, r]) for r in range(WORLD))
+        beyond = sum(float(cols["step_time_ms"][i, r]) for r in range(WORLD)) / WORLD - slowest
+        per_rank = sum(int(cols["samples"][i, r]) for r in range(WORLD)) / WORLD
+        expect.setdefault(band, []).append((beyond, beyond / slowest, (max(seq) - min(seq)) / max(seq), per_rank))
+    assert [(b["seq_len_from"], b["seq_len_to"]) for b in bands] == [((0, *edges)[k], (*edges, None)[k])
+                                                                     for k in sorted(expect)]
+    for b, k in zip(bands, sorted(expect)):
+        values = np.array(expect[k])
+        assert b["steps"] == len(values)
+        assert [b["unpredicted_ms_per_step"], b["unpredicted_frac_of_predicted"], b["rank_seq_len_spread"],
+                b["samples_per_rank"]] == pytest.approx(values.mean(axis=0).tolist(), rel=1e-12)
+    weighted = sum(b["steps"] * b["unpredicted_ms_per_step"] for b in bands) / BATCHES
+    assert weighted == pytest.approx(got["unpredicted_ms_per_step"], rel=1e-12)
+    assert sum(b["steps"] for b in got["unpredicted_by_seq_len"]) == BATCHES
+    between = [max(float(cols["interval_ms"][i, r] - cols["step_time_ms"][i, r]) for r in range(WORLD))
+               for i in range(e2e.WARMUP_STEPS, BATCHES)]
+    assert got["between_steps_ms"] == pytest.approx(sum(between) / len(between), rel=1e-12)
+
+
 def test_too_short_run_is_a_clear_error(tmp_path):
     rng = np.random.default_rng(4)
     cols = _write_run(tmp_path / "run", rng)

@@ -26,9 +26,9 @@ import numpy as np
 import scipy
 
 import lightning_adaptiveload
-from lightning_adaptiveload.cost_model import FORMS, CostModel, plot_fit, read_measurements
-from lightning_adaptiveload.policies import batch_sizes
-from lightning_adaptiveload.shapes import read_shapes_jsonl
+from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, plot_fit, read_measurements
+from lightning_adaptiveload.scheduling.policies import batch_sizes
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
 
 DATA = Path(lightning_adaptiveload.__file__).parent / "data"
 RESULTS = Path(__file__).parent / "results"

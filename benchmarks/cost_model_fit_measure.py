@@ -29,9 +29,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is not installed
 from examples.video_dit.model import DiTBlock, rope_3d  # noqa: E402
 
-from lightning_adaptiveload.cost_model import CostModel, read_measurements  # noqa: E402
-from lightning_adaptiveload.policies import batch_sizes  # noqa: E402
-from lightning_adaptiveload.shapes import read_shapes_jsonl  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import CostModel, read_measurements  # noqa: E402
+from lightning_adaptiveload.scheduling.policies import batch_sizes  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "lightning_adaptiveload" / "data"
 

@@ -33,7 +33,7 @@ import webdataset
 from lightning_adaptiveload.data.datamodule import REFERENCE_MIX, AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index import build_index
 from lightning_adaptiveload.data.shards import resolve_shards, write_synthetic_shards
-from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
 
 RESULTS = Path(__file__).parent / "results"
 NOTES = ("workers=0 decodes in the main process with all intra-op threads (2 here); each DataLoader worker "

@@ -43,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from 
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
-from lightning_adaptiveload.callbacks.balance import (  # noqa: E402
+from lightning_adaptiveload.callbacks.monitor import (  # noqa: E402
     CSV_NAME, cross_rank_stats, temporal_cv, time_beyond_prediction_ms)
 from lightning_adaptiveload.cli.report import read_per_rank_csv  # noqa: E402
-from lightning_adaptiveload.cost_model import CostModel  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
-from lightning_adaptiveload.shapes import read_shapes_jsonl  # noqa: E402
-from lightning_adaptiveload.simulate import simulate  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
+from lightning_adaptiveload.scheduling.simulate import simulate  # noqa: E402
 
 CONFIGS = {  # name -> (policy, fused AdaLN surgery)
     "token_equal": ("token_equal", False),

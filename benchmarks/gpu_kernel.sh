@@ -2,7 +2,7 @@
 # Fused AdaLN kernels on one GPU, in one command (~6-8 min on an H200), from the repository root:
 #   1. build lightning_adaptiveload._C in place (setup.py build_ext; sm_90 only unless
 #      ADAPTIVELOAD_CUDA_ARCHS says otherwise),
-#   2. tests/test_ops_cuda.py (fused vs fp64, determinism, torch.compile, FSDP) and, at the same
+#   2. tests/ops/test_adaln_cuda.py (fused vs fp64, determinism, torch.compile, FSDP) and, at the same
 #      time, compute-sanitizer memcheck + racecheck on small shapes of every kernel,
 #   3. benchmarks/adaln.py (alone on the GPU, for clean timings).
 # Logs and JSON go to $OUT (default benchmarks/results/gpu_kernel); copy kernel_gpu_tests.log and
@@ -34,7 +34,7 @@ stage "build ok; compiler warnings in csrc: $(grep -cE "csrc/adaln[a-z_]*\.(cu|c
 python3 -c "import lightning_adaptiveload.ops as o; print('backend:', o.backend())" 2>&1 | tee -a "$summary"
 
 stage "2/3 GPU tests + compute-sanitizer (in parallel)"
-timeout 300 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_ops_cuda.py >"$OUT/kernel_gpu_tests.log" 2>&1 &
+timeout 300 python3 -m pytest -v -p no:cacheprovider -m cuda tests/ops/test_adaln_cuda.py >"$OUT/kernel_gpu_tests.log" 2>&1 &
 tests_pid=$!
 
 cat >/tmp/adaln_sanitize.py <<'PY'

@@ -71,7 +71,7 @@ def write_index(folder: Path, lines: int, shards: int, seed: int) -> Path:
     """`lines` index lines over `shards` empty tars in `folder`; returns the index path."""
     from lightning_adaptiveload.data.datamodule import REFERENCE_MIX
     from lightning_adaptiveload.data.shards import mix_latent_shapes
-    from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
+    from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
 
     spec = TokenSpec()
     mix = read_shapes_jsonl(REFERENCE_MIX, spec)

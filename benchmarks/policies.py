@@ -25,10 +25,10 @@ import torch
 from tqdm import tqdm
 
 from _meta import cpu_run_meta
-from lightning_adaptiveload.cost_model import load_cost_model
-from lightning_adaptiveload.policies import POLICIES
-from lightning_adaptiveload.shapes import read_shapes_jsonl
-from lightning_adaptiveload.simulate import simulate, simulate_streaming
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model
+from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+from lightning_adaptiveload.scheduling.simulate import simulate, simulate_streaming
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

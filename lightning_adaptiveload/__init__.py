@@ -1,7 +1,7 @@
 """lightning-adaptiveload: load-balanced bucketing and a fused AdaLN kernel for video DiT
 training under PyTorch Lightning."""
-from lightning_adaptiveload.policies import batch_sizes, dual_constraint_batch_size, token_equal_batch_size
-from lightning_adaptiveload.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.policies import batch_sizes, dual_constraint_batch_size, token_equal_batch_size
+from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
 
 __version__ = "0.1.0"
 

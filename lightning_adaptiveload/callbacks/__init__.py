@@ -1,4 +1,4 @@
 """Lightning callbacks of the suite, one module each."""
-from lightning_adaptiveload.callbacks.balance import LoadBalanceMonitor
+from lightning_adaptiveload.callbacks.monitor import LoadBalanceMonitor
 from lightning_adaptiveload.callbacks.calibration import CostModelCalibration
 from lightning_adaptiveload.callbacks.surgery import FusedAdaLNSurgery

@@ -29,7 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_adaptiveload.cost_model import CostModel, plot_fit
+from lightning_adaptiveload.scheduling.cost_model import CostModel, plot_fit
 
 FORMAT = "adaptiveload.calibration"
 VERSION = 1

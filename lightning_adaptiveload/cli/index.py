@@ -14,7 +14,7 @@ import json
 from lightning_adaptiveload.cli.plan import run_with_clear_errors
 from lightning_adaptiveload.data.index import build_index, summarize_bad
 from lightning_adaptiveload.data.shards import resolve_shards
-from lightning_adaptiveload.shapes import TokenSpec
+from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 SHOW_BAD = 5
 

@@ -10,7 +10,7 @@ import argparse
 
 from lightning_adaptiveload.cli.plan import run_with_clear_errors
 from lightning_adaptiveload.data.shards import write_synthetic_shards
-from lightning_adaptiveload.shapes import TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
 
 
 def register(subparsers) -> None:

@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 
-from lightning_adaptiveload.cost_model import load_cost_model
-from lightning_adaptiveload.policies import batch_sizes
-from lightning_adaptiveload.sampler import resolve_compute_budget
-from lightning_adaptiveload.shapes import ShapeMix, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model
+from lightning_adaptiveload.scheduling.policies import batch_sizes
+from lightning_adaptiveload.scheduling.sampler import resolve_compute_budget
+from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 
 
 def add_planning_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_adaptiveload.callbacks.balance import CSV_NAME, META_NAME, cross_rank_stats, temporal_cv
+from lightning_adaptiveload.callbacks.monitor import CSV_NAME, META_NAME, cross_rank_stats, temporal_cv
 
 PLOT_NAME = "imbalance.png"
 PER_RANK_COLUMNS = ("step", "rank", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms")

@@ -5,10 +5,10 @@ import argparse
 import json
 
 from lightning_adaptiveload.cli.plan import add_planning_args, run_with_clear_errors
-from lightning_adaptiveload.cost_model import load_cost_model
-from lightning_adaptiveload.policies import POLICIES
-from lightning_adaptiveload.shapes import read_shapes_jsonl
-from lightning_adaptiveload.simulate import simulate
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model
+from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+from lightning_adaptiveload.scheduling.simulate import simulate
 
 
 def _run(args: argparse.Namespace) -> int:

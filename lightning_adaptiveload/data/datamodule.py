@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_adaptiveload.cost_model import CostModel, load_cost_model
+from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index, read_members, scan_shard
 from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config,
                                                 decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
                                                 resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
-from lightning_adaptiveload.data.stream import StreamingLatentDataset
-from lightning_adaptiveload.policies import batch_sizes, check_policy, require_int
-from lightning_adaptiveload.sampler import BucketBatchSampler, resolve_compute_budget
-from lightning_adaptiveload.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
-from lightning_adaptiveload.streaming import make_stream_plan
+from lightning_adaptiveload.data.webdataset_stream import StreamingLatentDataset
+from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, resolve_compute_budget
+from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.stream_batcher import make_stream_plan
 
 log = logging.getLogger(__name__)
 

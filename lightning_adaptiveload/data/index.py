@@ -27,9 +27,9 @@ import numpy as np
 from tqdm import tqdm
 
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample, is_int_list
-from lightning_adaptiveload.jsonl import iter_objects
-from lightning_adaptiveload.sampler import ranges_to_positions
-from lightning_adaptiveload.shapes import TokenSpec
+from lightning_adaptiveload._jsonl import iter_objects
+from lightning_adaptiveload.scheduling.sampler import ranges_to_positions
+from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 log = logging.getLogger(__name__)
 MAX_OPEN_SHARDS = 64  # file descriptors a process keeps open for random access

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tqdm import tqdm
 
-from lightning_adaptiveload.shapes import ShapeMix, TokenSpec
+from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec
 
 LATENT_SUFFIXES = ("latent.npy", "latent.pth")
 META_SUFFIX = "json"

@@ -1,0 +1,130 @@
+"""Data-parallel step simulation: run the sampler's real plan on a ShapeMix and price every rank's
+batch with the cost model. A step lasts as long as its slowest rank (the others wait at the
+gradient all-reduce), so imbalance shows up as bubble time and lost throughput."""
+from __future__ import annotations
+
+import numpy as np
+from tqdm import tqdm
+
+from lightning_adaptiveload.scheduling.policies import require_int
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
+from lightning_adaptiveload.scheduling.shapes import ShapeMix
+from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_plan
+
+
+def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) -> dict:
+    """Load-balance metrics of per-rank step times. All inputs (steps, world_size): predicted time
+    (ms), tokens and samples each rank ran at each step.
+
+    load_cv_mean: mean over steps of std/mean (population std) across ranks;
+    load_max_over_mean_mean: mean over steps of max/mean; bubble_frac: 1 - sum(step mean) / sum(step max);
+    predicted_tokens_per_s, predicted_samples_per_s: all ranks' work over the sum of step max times;
+    step_time_cv: std/mean over steps of the step time (the slowest rank's).
+    """
+    times_ms = np.asarray(times_ms, dtype=np.float64)
+    if times_ms.ndim != 2 or times_ms.size == 0:
+        raise ValueError(f"times_ms must be a non-empty (steps, world_size) array, got shape {times_ms.shape}")
+    mean, peak = times_ms.mean(axis=1), times_ms.max(axis=1)
+    wall_s = peak.sum() / 1e3
+    return {
+        "steps": int(times_ms.shape[0]),
+        "world_size": int(times_ms.shape[1]),
+        "load_cv_mean": float((times_ms.std(axis=1) / mean).mean()),
+        "load_max_over_mean_mean": float((peak / mean).mean()),
+        "bubble_frac": float(1.0 - mean.sum() / peak.sum()),
+        "predicted_tokens_per_s": float(np.sum(tokens) / wall_s),
+        "predicted_samples_per_s": float(np.sum(samples) / wall_s),
+        "step_time_mean_ms": float(peak.mean()),
+        "step_time_cv": float(peak.std() / peak.mean()),
+    }
+
+
+def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int, seed: int = 0,
+             m_comp: float | None = None, max_seq_len: int | None = None, num_samples: int | None = None,
+             progress: bool = False) -> dict:
+    """Simulate `steps` data-parallel steps of `policy` (epochs 0, 1, ... of the sampler's plan).
+
+    The dataset is the mix's histogram expanded to one entry per sample, or, with num_samples,
+    that many samples drawn from the mix's shape distribution (seeded). Returns step_metrics plus
+    policy, m_mem, m_comp, p, the bucket table (tokens, samples, batch size) and the first epoch's
+    sample accounting (samples_per_epoch, steps_per_epoch, dropped_*). progress: a tqdm bar of
+    steps on a terminal.
+    """
+    steps = require_int("steps", steps)
+    if num_samples is None:
+        seq_lens = mix.per_sample_tokens()
+    else:
+        rng = np.random.default_rng([int(seed), 1])
+        seq_lens = rng.choice(mix.tokens, size=require_int("num_samples", num_samples), p=mix.counts / mix.counts.sum())
+    sampler = BucketBatchSampler(seq_lens, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
+                                 num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len)
+    times, tokens, samples = [], [], []
+    epoch, have = 0, 0
+    bar = tqdm(total=steps, desc=f"simulate {policy}", unit="step", disable=None if progress else True)
+    while have < steps:
+        sampler.set_epoch(epoch)
+        plan = sampler.plan()
+        take = plan.steps[: steps - have]
+        b, s = plan.batch_len[take], plan.batch_seq_len[take]
+        times.append(np.asarray(cost_model.predict(b, s), dtype=np.float64).reshape(take.shape))
+        tokens.append(b * s)
+        samples.append(b)
+        have += len(take)
+        bar.update(len(take))
+        epoch += 1
+        if epoch == 1:
+            first = sampler.stats
+    bar.close()
+    metrics = step_metrics(np.concatenate(times), np.concatenate(tokens), np.concatenate(samples))
+    counts = np.bincount(sampler.bucket_of[sampler.bucket_of >= 0], minlength=len(sampler.bucket_seq_len))
+    return {
+        "policy": policy,
+        **metrics,
+        "m_mem": int(m_mem),
+        "m_comp": sampler.m_comp,
+        "p": sampler.p,
+        "max_seq_len": sampler.max_seq_len,
+        "epochs_used": epoch,
+        "samples_per_epoch": int(len(seq_lens)),
+        "steps_per_epoch": first["steps"],
+        "dropped_oversize": first["dropped_oversize"],
+        "dropped_partial_batch": first["dropped_partial_batch"],
+        "dropped_step_remainder": first["dropped_step_remainder"],
+        "buckets": {"tokens": sampler.bucket_seq_len.tolist(), "samples": counts.tolist(),
+                    "batch_size": sampler.bucket_batch.tolist()},
+    }
+
+
+def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int,
+                       seed: int = 0, m_comp: float | None = None, max_seq_len: int | None = None,
+                       max_buffer_samples: int = 4096, class_tolerance: float = 0.1) -> dict:
+    """Simulate the streaming stage: each rank reads its own endless stream of samples drawn from the
+    mix (as from its own shards of a shuffled corpus) through a StreamingBucketBatcher with no
+    communication. Returns step_metrics plus the stage's counts summed over ranks
+    (fallback_batches, partial_batches, skipped_oversize) and the largest buffer any rank held."""
+    plan = make_stream_plan(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
+                            max_seq_len=max_seq_len, class_tolerance=class_tolerance)
+    probs = mix.counts / mix.counts.sum()
+    batch_len = np.zeros((steps, world_size), dtype=np.int64)
+    batch_seq_len = np.zeros((steps, world_size), dtype=np.int64)
+    totals = {"fallback_batches": 0, "partial_batches": 0, "skipped_oversize": 0, "buffer_peak_samples": 0}
+    for rank in range(world_size):
+        rng = np.random.default_rng([int(seed), 2, rank])
+
+        def stream():
+            while True:
+                yield from ({"seq_len": int(s)} for s in rng.choice(mix.tokens, size=4096, p=probs))
+
+        stage = StreamingBucketBatcher(plan, batches_per_epoch=steps, seed=seed, max_buffer_samples=max_buffer_samples,
+                                       worker=0, num_workers=1)
+        for step, batch in enumerate(stage(stream())):
+            batch_len[step, rank] = len(batch)
+            batch_seq_len[step, rank] = batch[0]["seq_len"]  # a batch holds one bucket
+        for key in totals:
+            combine = max if key == "buffer_peak_samples" else int.__add__
+            totals[key] = combine(totals[key], stage.stats[key])
+    times = np.asarray(cost_model.predict(batch_len, batch_seq_len), dtype=np.float64)
+    metrics = step_metrics(times, batch_len * batch_seq_len, batch_len)
+    return {"policy": f"streaming_{policy}", **metrics, "m_mem": int(m_mem), "m_comp": plan.m_comp, "p": plan.p,
+            "max_buffer_samples": int(max_buffer_samples), "class_tolerance": float(class_tolerance),
+            "cost_classes": int(len(plan.class_prob)), **totals}

@@ -1,0 +1,242 @@
+"""Streaming bucket batcher: a webdataset pipeline stage for samples whose shapes are known only as
+they arrive.
+
+Samples (dicts with "seq_len", tokens) are buffered per bucket (one bucket per distinct token
+count) and emitted as batches whose size the policy gives. Buckets are grouped into equal-cost
+classes: bins of the predicted batch cost (cost_model.predict(B, S) ms, or B*S^p) whose width is
+a factor (1 + class_tolerance). With policy "balanced" every rank follows the same shared-seed
+schedule of classes, so at step t all ranks run batches of nearly equal predicted cost without
+any communication; each rank fills the class from its own buffer. The other policies emit the
+first bucket that fills (the usual streaming bucketing, ranks independent).
+
+When the scheduled class cannot be filled, the stage reads more samples until the buffer bound
+(samples and bytes) is reached; then it emits a full batch of the nearest class by cost
+("fallback_batches"), and if no bucket holds a full batch, the largest partial batch
+("partial_batches"). Every worker emits exactly its share of `batches_per_epoch`, so every rank
+yields the same number of batches; the input must not run dry (use resampled shards or
+`.repeat()`), else a RuntimeError says so. Samples without a valid "seq_len", or longer than
+max_seq_len, are skipped, counted in `stats` and logged.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
+from lightning_adaptiveload.scheduling.sampler import batch_costs, resolve_compute_budget
+from lightning_adaptiveload.scheduling.shapes import ShapeMix
+
+log = logging.getLogger(__name__)
+SCHEDULE_BLOCK = 256  # steps per schedule block; class frequencies are exact within each block
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What every rank agrees on before streaming. Costs are cost_model ms, or B*S^p without one.
+
+    class_prob: (n_classes,) fraction of steps scheduled on each cost class (expected batches of
+    the mix); cost_min: cost at the lower edge of class 0; log_width: log(1 + class_tolerance).
+    """
+
+    policy: str
+    m_mem: int
+    m_comp: float | None
+    p: float | None
+    max_seq_len: int
+    cost_model: object
+    cost_min: float
+    log_width: float
+    class_prob: np.ndarray
+
+    def batch_size(self, seq_len: int) -> int:
+        return int(batch_sizes(np.array([seq_len]), self.policy, self.m_mem, self.m_comp, self.p)[0])
+
+    def batch_class(self, seq_len: int) -> int:
+        """Cost class of a full batch of `seq_len` tokens (clipped to the planned classes)."""
+        cost = float(batch_costs(np.array([self.batch_size(seq_len)]), np.array([seq_len]), self.p, self.cost_model)[0])
+        c = math.floor(math.log(max(cost, self.cost_min) / self.cost_min) / self.log_width)
+        return min(c, len(self.class_prob) - 1)
+
+
+def make_stream_plan(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
+                     cost_model=None, max_seq_len: int | None = None, class_tolerance: float = 0.1) -> StreamPlan:
+    """Plan from the expected shape mix (e.g. the dataset index or a shapes file)."""
+    if not class_tolerance > 0:
+        raise ValueError(f"class_tolerance must be > 0, got {class_tolerance!r}")
+    max_seq_len = int(m_mem) if max_seq_len is None else int(max_seq_len)
+    keep = mix.tokens <= max_seq_len
+    if not keep.any():
+        raise ValueError(f"every shape of the mix is longer than max_seq_len={max_seq_len} tokens")
+    tokens, counts = mix.tokens[keep], mix.counts[keep]
+    m_comp, p = resolve_compute_budget(policy, m_mem, int(tokens.max()), m_comp, p, cost_model)
+    if p is None:  # token_equal: classes still need a cost; use the cost model's exponent or attention-free 1
+        p = float(cost_model.p) if cost_model is not None else 1.0
+    b = batch_sizes(tokens, policy, m_mem, m_comp, p)
+    costs = batch_costs(b, tokens, p, cost_model)
+    cost_min, log_width = float(costs.min()), math.log1p(class_tolerance)
+    classes = np.floor(np.log(costs / cost_min) / log_width).astype(np.int64)
+    expected_batches = np.bincount(classes, weights=counts / b)
+    return StreamPlan(policy, int(m_mem), m_comp, p, max_seq_len, cost_model, cost_min, log_width,
+                      expected_batches / expected_batches.sum())
+
+
+def class_schedule(plan: StreamPlan, seed: int, epoch: int, steps: int) -> np.ndarray:
+    """(steps,) int64 cost class of each step, the same on every rank: blocks of SCHEDULE_BLOCK steps
+    with class counts rounded from class_prob (largest remainder), shuffled by a shared-seed RNG."""
+    out = np.empty(steps, dtype=np.int64)
+    for block, start in enumerate(range(0, steps, SCHEDULE_BLOCK)):
+        n = min(SCHEDULE_BLOCK, steps - start)
+        rng = np.random.default_rng([int(seed), int(epoch), block])
+        want = plan.class_prob * n
+        counts = np.floor(want).astype(np.int64)
+        extra = n - counts.sum()
+        # largest remainders, random among ties, so rare classes still get their share over blocks
+        order = np.lexsort((rng.random(len(want)), -(want - counts)))
+        counts[order[:extra]] += 1
+        out[start: start + n] = rng.permutation(np.repeat(np.arange(len(counts)), counts))
+    return out
+
+
+def sample_nbytes(sample: dict) -> int:
+    """Bytes a buffered sample holds: tensors, arrays and bytes values (others count 0)."""
+    total = 0
+    for value in sample.values():
+        if isinstance(value, torch.Tensor):
+            total += value.element_size() * value.nelement()
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, (bytes, bytearray)):
+            total += len(value)
+    return total
+
+
+class StreamingBucketBatcher:
+    """Pipeline stage: `stage(samples) -> iterator of batches (lists of sample dicts)`.
+
+    batches_per_epoch: batches this rank yields per epoch (split over DataLoader workers: worker w
+    emits steps w, w + num_workers, ..., which the DataLoader's round-robin puts back in order).
+    Buffer bound: max_buffer_samples samples and max_buffer_bytes bytes (by `nbytes(sample)`),
+    plus one sample read past the bound. worker/num_workers default to torch's worker info.
+    """
+
+    def __init__(self, plan: StreamPlan, *, batches_per_epoch: int, seed: int = 0, max_buffer_samples: int = 4096,
+                 max_buffer_bytes: int = 4 << 30, nbytes: Callable[[dict], int] = sample_nbytes,
+                 worker: int | None = None, num_workers: int | None = None):
+        check_policy(plan.policy)
+        self.plan, self.seed, self.nbytes = plan, int(seed), nbytes
+        self.batches_per_epoch = require_int("batches_per_epoch", batches_per_epoch)
+        self.max_buffer_samples = require_int("max_buffer_samples", max_buffer_samples)
+        self.max_buffer_bytes = require_int("max_buffer_bytes", max_buffer_bytes)
+        self.worker, self.num_workers = worker, num_workers
+        self.epoch = 0
+        self.stats: dict = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _worker(self) -> tuple[int, int]:
+        if self.worker is not None:
+            return int(self.worker), int(self.num_workers or 1)
+        info = torch.utils.data.get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def __call__(self, samples: Iterable[dict]) -> Iterator[list[dict]]:
+        worker, num_workers = self._worker()
+        steps = range(worker, self.batches_per_epoch, num_workers)
+        schedule = class_schedule(self.plan, self.seed, self.epoch, self.batches_per_epoch) \
+            if self.plan.policy == "balanced" else None
+        state = _Buffer(self.plan, iter(samples), self.max_buffer_samples, self.max_buffer_bytes, self.nbytes)
+        self.stats = state.stats
+        for step in steps:
+            yield state.next_batch(None if schedule is None else int(schedule[step]), step)
+        if state.stats["skipped_bad"]:
+            log.warning("streaming batcher epoch %d worker %d: skipped %d samples without a valid integer 'seq_len'",
+                        self.epoch, worker, state.stats["skipped_bad"])
+        log.info("streaming batcher epoch %d worker %d: %s", self.epoch, worker, state.stats)
+
+
+class _Buffer:
+    """Per-bucket FIFO buffers of one worker's stream, and the batch-picking rules."""
+
+    def __init__(self, plan: StreamPlan, source: Iterator[dict], max_samples: int, max_bytes: int, nbytes):
+        self.plan, self.source, self.max_samples, self.max_bytes, self.nbytes = plan, source, max_samples, max_bytes, nbytes
+        self.queues: dict[int, deque] = {}  # seq_len -> deque of (sample, bytes)
+        self.batch: dict[int, int] = {}     # seq_len -> batch size
+        self.klass: dict[int, int] = {}     # seq_len -> cost class
+        self.ready: dict[int, None] = {}    # buckets holding a full batch, in the order they filled
+        self.samples = self.bytes = 0
+        self.exhausted = False
+        self.stats = {"samples_in": 0, "skipped_bad": 0, "skipped_oversize": 0, "batches": 0,
+                      "fallback_batches": 0, "partial_batches": 0, "buffer_peak_samples": 0, "buffer_peak_bytes": 0}
+
+    def _read(self) -> None:
+        sample = next(self.source, None)
+        if sample is None:
+            self.exhausted = True
+            return
+        self.stats["samples_in"] += 1
+        s = sample.get("seq_len") if isinstance(sample, dict) else None
+        if isinstance(s, torch.Tensor):
+            s = s.item() if s.numel() == 1 else None
+        elif isinstance(s, np.ndarray):
+            s = s.item() if s.size == 1 else None
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+            self.stats["skipped_bad"] += 1
+            return
+        s = int(s)
+        if s > self.plan.max_seq_len:
+            self.stats["skipped_oversize"] += 1
+            return
+        if s not in self.queues:
+            self.queues[s] = deque()
+            self.batch[s] = self.plan.batch_size(s)
+            self.klass[s] = self.plan.batch_class(s)
+        size = int(self.nbytes(sample))
+        self.queues[s].append((sample, size))
+        self.samples += 1
+        self.bytes += size
+        self.stats["buffer_peak_samples"] = max(self.stats["buffer_peak_samples"], self.samples)
+        self.stats["buffer_peak_bytes"] = max(self.stats["buffer_peak_bytes"], self.bytes)
+        if len(self.queues[s]) >= self.batch[s]:
+            self.ready.setdefault(s, None)
+
+    def _pop(self, s: int, n: int) -> list[dict]:
+        q = self.queues[s]
+        out = [q.popleft() for _ in range(n)]
+        self.samples -= n
+        self.bytes -= sum(size for _, size in out)
+        if len(q) < self.batch[s]:
+            self.ready.pop(s, None)
+        self.stats["batches"] += 1
+        return [sample for sample, _ in out]
+
+    def _pick(self, want: int | None) -> int | None:
+        if want is None:
+            return next(iter(self.ready), None)
+        fits = [s for s in self.ready if self.klass[s] == want]
+        return max(fits, key=lambda s: len(self.queues[s])) if fits else None
+
+    def next_batch(self, want: int | None, step: int) -> list[dict]:
+        while True:
+            s = self._pick(want)
+            if s is not None:
+                return self._pop(s, self.batch[s])
+            if self.exhausted or self.samples >= self.max_samples or self.bytes >= self.max_bytes:
+                break
+            self._read()
+        if self.ready:  # buffer full (or input dry): nearest cost class that has a full batch
+            self.stats["fallback_batches"] += 1
+            s = min(self.ready, key=lambda s: (abs(self.klass[s] - (want or 0)), self.klass[s]))
+            return self._pop(s, self.batch[s])
+        if self.samples:
+            self.stats["partial_batches"] += 1
+            s = max(self.queues, key=lambda s: (len(self.queues[s]) / self.batch[s], -abs(self.klass[s] - (want or 0))))
+            return self._pop(s, len(self.queues[s]))
+        raise RuntimeError(f"streaming batcher: the input ran out before step {step} of the epoch could be filled; "
+                           f"use resampled shards or .repeat() so every rank yields the same number of batches")

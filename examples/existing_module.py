@@ -59,14 +59,17 @@ class AdaptiveLoadDenoiser(ConvVideoDenoiser):
         return scale_loss_to_global_mean(loss, batch["latents"].shape[0])  # ranks hold unequal batches
 
 
-def fit(shards: str, index: str, max_steps: int = 20, root_dir: str = "runs/existing", **trainer_kwargs) -> L.Trainer:
-    """Train AdaptiveLoadDenoiser on synthetic demo shards (written on first use)."""
+def fit(shards: str, index: str, max_steps: int = 20, root_dir: str = "runs/existing",
+        calibration: dict | None = None, **trainer_kwargs) -> L.Trainer:
+    """Train AdaptiveLoadDenoiser on synthetic demo shards (written on first use); `calibration`:
+    extra CostModelCalibration arguments."""
     datamodule = AdaptiveLoadDataModule(shards=shards, index=index, policy="balanced", m_mem=640,
                                         latent_channels=4, text_len=8, text_dim=32, num_workers=0,
                                         synthesize=200, synthesize_shapes=str(DEMO_MIX))
     trainer = L.Trainer(
         max_steps=max_steps, default_root_dir=root_dir, use_distributed_sampler=False,
-        callbacks=[CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4, 8]), LoadBalanceMonitor()],
+        callbacks=[CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4, 8], **(calibration or {})),
+                   LoadBalanceMonitor()],
         **trainer_kwargs)
     trainer.fit(AdaptiveLoadDenoiser(), datamodule=datamodule)
     return trainer

@@ -408,9 +408,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         return [{"seq_len": int(s), "latent_shape": self._key_shape[int(s)], "samples": self._key_count[int(s)],
                  "batch_size": int(b)} for s, b in zip(seq_lens, sizes)]
 
-    def set_cost_model(self, cost_model: CostModel, m_mem: int | None = None) -> None:
-        """Use `cost_model` (and `m_mem`, tokens) for batch sizes from now on; call before the
-        train loader is built (the calibration callback does, in on_fit_start)."""
+    def set_cost_model(self, cost_model: CostModel | None, m_mem: int | None = None, policy: str | None = None) -> None:
+        """Use `cost_model` (and `m_mem`, tokens; `policy`) for batch sizes from now on; call before
+        the train loader is built (the calibration callback does, in on_fit_start; it passes
+        cost_model=None and policy="token_equal" when its fit is not trusted)."""
+        if policy is not None:
+            self.policy = check_policy(policy)
+        if cost_model is None and self.policy != "token_equal" and (self.m_comp is None or self.p is None):
+            raise ValueError(f"policy {self.policy!r} needs a cost model (or m_comp and p)")
         self.cost_model = cost_model
         if m_mem is not None:
             self.m_mem = int(m_mem)
@@ -419,6 +424,21 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             log.warning("adaptiveload data: m_mem is now %d tokens but buckets up to %d tokens are scheduled "
                         "(max_seq_len %d); they run at batch size 1 and may not fit in memory. Set max_seq_len "
                         "<= m_mem to drop or resize them.", self.m_mem, max(self._key_shape), self.max_seq_len)
+
+    def scheduled_batch_shapes(self) -> list[tuple[int, tuple[int, int, int], int]]:
+        """Every (batch size, latent (T, H, W)) training can schedule, with its number of batches
+        per epoch over all ranks: on the map-style path from this epoch's plan for the trainer's
+        world size (full batches of every bucket, and this epoch's partial ones); on the streaming
+        path the full batch of every planned bucket, weighted by its expected count."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if self.dataset is not None:
+            plan = self.build_sampler(world, 0).plan()
+            ids = plan.steps.ravel()
+            pairs, counts = np.unique(np.column_stack([plan.batch_len[ids], plan.batch_seq_len[ids]]), axis=0,
+                                      return_counts=True)
+            return [(int(b), self._key_shape[int(s)], int(n)) for (b, s), n in zip(pairs, counts)]
+        return [(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])))
+                for row in self.bucket_table()]
 
     # -- batches --
 

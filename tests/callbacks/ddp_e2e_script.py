@@ -65,7 +65,10 @@ class BatchRecorder(pl.Callback):
 def fit(out: Path, name: str, ckpt_path: str | None = None) -> None:
     pl.seed_everything(0)
     model = VideoDiTModule(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=32, freq_dim=32)
-    callbacks = [CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1),
+    # any fit is trusted here: the trust check has its own tests, and a launch-bound tiny model on two
+    # CPU ranks can fail it (the run would then fall back to token_equal with no cost model)
+    callbacks = [CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                      max_heldout_error=float("inf"), min_work_correlation=-1.0),
                  LoadBalanceMonitor(window=4), BatchRecorder(out, name)]
     if name == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=RESUME_AT, save_top_k=-1))

@@ -12,13 +12,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.video_dit.module import VideoDiTModule
-from lightning_adaptiveload.callbacks.calibration import (CostModelCalibration, calibration_grid, model_fingerprint,
-                                                          predicted_peak_bytes, seq_len_grid)
+from lightning_adaptiveload.calibration.compiled import RECOMPILE_SLACK, compiled_submodules, raise_recompile_limit
+from lightning_adaptiveload.calibration.grid import (MIN_FIT_POINTS, calibration_grid, predicted_peak_bytes,
+                                                     required_points, seq_len_grid)
+from lightning_adaptiveload.calibration.record import model_fingerprint
+from lightning_adaptiveload.calibration.runner import StepRunner
+from lightning_adaptiveload.callbacks.calibration import CostModelCalibration
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 
 TINY = dict(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
 SHAPES = {16: (1, 8, 8), 48: (3, 8, 8), 64: (1, 16, 16), 96: (2, 16, 12)}  # tokens -> latent (T, H, W)
 
+
+# Tests of anything but the trust check accept any fit: a launch-bound tiny model on a shared CPU
+# can fail the check, which would re-measure and fall back.
+TRUST_ANY = dict(max_heldout_error=float("inf"), min_work_correlation=-1.0)  # both checks off
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +47,8 @@ class GridDataModule(L.LightningDataModule):
                 "text": torch.randn(batch_size, 3, 16, generator=g),
                 "seq_len": seq_len, "latent_shape": SHAPES[seq_len], "keys": [f"s{i}" for i in range(batch_size)]}
 
-    def set_cost_model(self, cost_model, m_mem=None):
-        self.cost_model_calls.append((cost_model, m_mem))
+    def set_cost_model(self, cost_model, m_mem=None, policy=None):
+        self.cost_model_calls.append((cost_model, m_mem) if policy is None else (cost_model, m_mem, policy))
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader([self.synthetic_batch(16, 2)] * 2, batch_size=None)
@@ -114,8 +122,20 @@ def test_grid_spans_shortest_and_longest_bucket_ordered_by_tokens():
     assert seq_len_grid(np.array([64, 16, 16, 256, 1024, 4096]), 3) == [16, 256, 4096]
     assert seq_len_grid(np.array([7, 7]), 4) == [7]
     grid = calibration_grid([16, 256], [1, 2, 4, 32], max_tokens=1024)
-    assert grid == sorted(grid, key=lambda p: (p[0] * p[1], p[1]))
+    required = required_points([16, 256], [1, 2, 4, 32], max_tokens=1024)
+    # the points the fit needs first: B = 1 at every S, then more B at the shortest S
+    assert required == [(1, 16), (1, 256), (2, 16), (4, 16), (32, 16), (2, 256), (4, 256)]
+    assert grid[:len(required)] == required
+    rest = grid[len(required):]
+    assert rest == sorted(rest, key=lambda p: (p[0] * p[1], p[1])) and set(grid) == {
+        (b, s) for s in (16, 256) for b in (1, 2, 4, 32) if b * s <= 1024 or b == 1}
     assert (32, 256) not in grid and (4, 256) in grid and (1, 256) in grid
+    # required points stop at MIN_FIT_POINTS and respect max_tokens
+    many = required_points([8, 64, 512], [1, 2, 4, 8, 16, 32, 64, 128], max_tokens=4096)
+    assert len(many) == MIN_FIT_POINTS and many[3:] == [(2, 8), (4, 8), (8, 8), (16, 8)]
+    assert required_points([8, 64], [1, 2, 4, 8], max_tokens=16) == [(1, 8), (1, 64), (2, 8)]
+    # too few batch sizes at the shortest S: the next S supplies the rest
+    assert required_points([16, 96], [1, 2, 4], None) == [(1, 16), (1, 96), (2, 16), (4, 16), (2, 96), (4, 96)]
     with pytest.raises(ValueError, match="bucket_seq_lens"):
         seq_len_grid(np.array([], dtype=np.int64), 3)
 
@@ -136,7 +156,7 @@ def test_calibration_fits_updates_datamodule_and_leaves_no_trace(tmp_path):
     torch.manual_seed(0)
     shared = {}
     calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=1, repeats=2,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     trainer, dm = _fit(tmp_path, VideoDiTModule(**TINY),
                        [StateProbe("before", shared), calib, StateProbe("after", shared)])
     assert shared.get("checked")
@@ -163,24 +183,24 @@ def test_calibration_fits_updates_datamodule_and_leaves_no_trace(tmp_path):
 
 def test_cache_reuse_skips_the_benchmark_and_a_changed_model_does_not(tmp_path):
     cache = str(tmp_path / "cache.json")
-    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=cache)
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=cache, **TRUST_ANY)
     first = CostModelCalibration(**kwargs)
     CountingModule.steps = 0
     _fit(tmp_path / "a", CountingModule(**TINY), [first])
     measured_steps = CountingModule.steps
     # 6 grid points, 2 to 10 settling steps before the first, 1 training step
-    assert not first.from_cache and 6 + 2 + 1 <= measured_steps <= 6 + 10 + 1
+    assert first.source == "measured" and 6 + 2 + 1 <= measured_steps <= 6 + 10 + 1
 
     second = CostModelCalibration(**kwargs)
     CountingModule.steps = 0
     _, dm = _fit(tmp_path / "b", CountingModule(**TINY), [second])
-    assert second.from_cache and CountingModule.steps == 1  # only the training step
+    assert second.source == "cache" and CountingModule.steps == 1  # only the training step
     assert second.points == first.points
     assert dm.cost_model_calls[0][0].params == pytest.approx(first.cost_model.params)
 
     third = CostModelCalibration(**kwargs)
     _fit(tmp_path / "c", CountingModule(**{**TINY, "dim": 48}), [third])
-    assert not third.from_cache
+    assert third.source == "measured"
 
 
 def test_fingerprint_sees_activation_checkpointing_and_instance_forward_patches():
@@ -214,7 +234,7 @@ def test_resume_uses_the_checkpointed_calibration_not_a_new_benchmark(tmp_path):
     # The sampler's resume state holds m_mem, m_comp and p: a resumed fit must get the same cost
     # model even when the cache is gone (another root dir, another model's calibration since).
     cache = tmp_path / "cache.json"
-    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache))
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache), **TRUST_ANY)
     def trainer(max_steps, callbacks):
         return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks)
@@ -230,14 +250,14 @@ def test_resume_uses_the_checkpointed_calibration_not_a_new_benchmark(tmp_path):
     dm = GridDataModule()
     trainer.fit(CountingModule(**TINY), datamodule=dm, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
     assert CountingModule.steps == 1 and trainer.global_step == 2  # one training step, no benchmark
-    assert resumed.points == first.points and resumed.from_cache
+    assert resumed.points == first.points and resumed.source == "checkpoint"
     [(cm, _)] = dm.cost_model_calls
     assert cm.form == first.cost_model.form and cm.params == pytest.approx(first.cost_model.params, rel=1e-12)
 
 
 def test_out_of_memory_point_is_recorded_infeasible_and_bounds_m_mem(tmp_path):
     calib = CostModelCalibration(num_seq_lens=4, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     _, dm = _fit(tmp_path, OOMModule(**TINY), [calib])
     status = {(p["batch_size"], p["seq_len"]): p["status"] for p in calib.points}
     for (b, s), st in status.items():
@@ -251,24 +271,29 @@ def test_out_of_memory_point_is_recorded_infeasible_and_bounds_m_mem(tmp_path):
     assert dm.cost_model_calls[0][1] == calib.measured_m_mem
 
 
-def test_too_few_feasible_points_is_a_clear_error(tmp_path):
+def test_too_few_feasible_points_fall_back_to_token_equal(tmp_path):
     calib = CostModelCalibration(num_seq_lens=1, batch_sizes=[1, 2], warmup=0, repeats=1,
                                  cache_path=str(tmp_path / "cache.json"))
-    with pytest.raises(RuntimeError, match="cannot fit the cost model from 2 feasible points"):
-        _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    with pytest.warns(UserWarning, match="NOT trusted.*from 2 feasible points.*falls back to the token_equal"):
+        trainer, dm = _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    assert not calib.trusted and calib.cost_model is None and calib.source == "measured again"
+    assert dm.cost_model_calls == [(None, None, "token_equal")] and trainer.global_step == 1
+    assert not (tmp_path / "cache.json").exists()
 
 
-def test_any_fit_error_is_handed_to_every_rank_as_a_clear_error(tmp_path, monkeypatch):
+def test_any_fit_error_is_handed_to_every_rank_and_falls_back(tmp_path, monkeypatch):
     # Rank 0 fits while the others wait in the broadcast of its result: an error of any type must
-    # travel through that broadcast, not escape on rank 0 alone (the others would wait forever).
+    # travel through that broadcast as the same verdict, not escape on rank 0 alone.
     def failing_fit(*args, **kwargs):
         raise RuntimeError("solver diverged")
 
     monkeypatch.setattr(CostModel, "fit", failing_fit)
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
                                  cache_path=str(tmp_path / "cache.json"))
-    with pytest.raises(RuntimeError, match=r"CostModelCalibration: cannot fit .*RuntimeError: solver diverged"):
-        _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    with pytest.warns(UserWarning, match=r"NOT trusted \(cannot fit .*RuntimeError: solver diverged"):
+        _, dm = _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    assert calib.distrust_reasons and "solver diverged" in calib.distrust_reasons[0]
+    assert dm.cost_model_calls == [(None, None, "token_equal")]
 
 
 def test_failing_outputs_on_rank_0_stop_every_rank_with_a_clear_error(tmp_path, monkeypatch):
@@ -279,7 +304,7 @@ def test_failing_outputs_on_rank_0_stop_every_rank_with_a_clear_error(tmp_path, 
 
     monkeypatch.setattr("lightning_adaptiveload.callbacks.calibration.plot_fit", failing_plot)
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     with pytest.raises(RuntimeError, match="rank 0 failed to write .*OSError: No space left on device"):
         _fit(tmp_path, VideoDiTModule(**TINY), [calib])
 
@@ -310,7 +335,7 @@ def test_manual_optimization_is_rejected_before_any_step(tmp_path):
     module = ManualOptimizationModule(**TINY)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     with pytest.raises(TypeError, match="automatic optimization"):
         _fit(tmp_path, module, [calib])
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
@@ -323,28 +348,31 @@ class NoBatchIdxModule(VideoDiTModule):
 
 def test_training_step_without_batch_idx_is_calibrated(tmp_path):
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     trainer, _ = _fit(tmp_path, NoBatchIdxModule(**TINY), [calib])
     assert [p["status"] for p in calib.points] == ["ok"] * 6 and trainer.global_step == 1
 
 
-def test_time_budget_stops_the_benchmark(tmp_path):
-    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
-                                 cache_path=str(tmp_path / "cache.json"))
-    CountingModule.steps = 0
-    with pytest.raises(RuntimeError, match="from 0 feasible points"):
-        _fit(tmp_path, CountingModule(**TINY), [calib])
-    assert CountingModule.steps == 0
-    assert [p["status"] for p in calib.points] == ["skipped_budget"] * 6
+def test_time_budget_skips_optional_points_but_never_the_required_ones(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    _fit(tmp_path, VideoDiTModule(**TINY), [calib])
+    required = required_points([16, 64, 96], [1, 2, 4], None)
+    status = {(p["batch_size"], p["seq_len"]): p["status"] for p in calib.points}
+    assert len(status) == 9 and len(required) == MIN_FIT_POINTS
+    assert all(status[p] == "ok" for p in required)
+    assert all(st == "skipped_budget" for p, st in status.items() if p not in required)
+    assert calib.cost_model is not None  # the fit had what it needs
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"format": "adaptiveload.calibration", "version": 1}'])
 def test_unreadable_or_foreign_cache_is_measured_again(tmp_path, text):
     cache = tmp_path / "cache.json"
     cache.write_text(text)
-    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache))
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache),
+                                 **TRUST_ANY)
     _fit(tmp_path, VideoDiTModule(**TINY), [calib])
-    assert not calib.from_cache and len(calib.points) == 6
+    assert calib.source == "measured" and len(calib.points) == 6
     assert json.loads(cache.read_text())["points"] == calib.points  # and the cache is rewritten
 
 
@@ -361,7 +389,7 @@ class RealOOMModule(VideoDiTModule):
 @pytest.mark.cuda
 def test_cuda_out_of_memory_is_caught_freed_and_peak_memory_is_recorded(tmp_path):
     calib = CostModelCalibration(num_seq_lens=4, batch_sizes=[1, 2, 4], warmup=1, repeats=2,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[calib])
     trainer.fit(RealOOMModule(**TINY), datamodule=GridDataModule())
@@ -382,7 +410,7 @@ class AutocastProbe(VideoDiTModule):
 
 def test_calibration_steps_run_under_the_trainers_precision(tmp_path):
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"))
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
                         callbacks=[calib])
@@ -392,3 +420,183 @@ def test_calibration_steps_run_under_the_trainers_precision(tmp_path):
     assert all(dtype == torch.bfloat16 for dtype in AutocastProbe.autocast)
     assert calib.points and all(p["status"] == "ok" for p in calib.points)
     assert json.loads((tmp_path / "cache.json").read_text())["key"]["precision"] == "bf16-mixed"
+
+
+class ShapesDataModule(GridDataModule):
+    """GridDataModule that also lists the batch shapes training can schedule."""
+
+    SCHEDULED = [(4, (1, 8, 8), 3), (2, (3, 8, 8), 9), (1, (2, 16, 12), 5), (2, (1, 16, 16), 1)]
+
+    def synthetic_batch(self, seq_len_or_shape, batch_size):
+        if isinstance(seq_len_or_shape, tuple):
+            seq_len = next(s for s, thw in SHAPES.items() if thw == seq_len_or_shape)
+            return super().synthetic_batch(seq_len, batch_size)
+        return super().synthetic_batch(seq_len_or_shape, batch_size)
+
+    def scheduled_batch_shapes(self):
+        return list(self.SCHEDULED)
+
+
+def _fit_dm(tmp_path, module, callbacks, datamodule, **trainer_kwargs):
+    kwargs = dict(accelerator="cpu", devices=1, max_steps=1, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=tmp_path, callbacks=callbacks)
+    trainer = L.Trainer(**{**kwargs, **trainer_kwargs})
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+@pytest.mark.parametrize("kind", ["flat", "falling", "noisy"])
+def test_untrustworthy_timings_warn_remeasure_fall_back_and_are_not_cached(tmp_path, monkeypatch, kind):
+    """Times that do not grow with the work, or that no form predicts, must not schedule training."""
+    rng = np.random.default_rng(3)
+    calls = []
+
+    def fake_step(self, batch):
+        calls.append(batch["latents"].shape[0])
+        tokens = batch["latents"].shape[0] * batch["seq_len"]
+        if kind == "flat":
+            return 5.0
+        if kind == "falling":
+            return 1000.0 / tokens
+        return float(np.exp(rng.normal(0.0, 1.5)))  # log-normal noise, unrelated to the shape
+
+    monkeypatch.setattr(StepRunner, "step", fake_step)
+    calib = CostModelCalibration(num_seq_lens=4, batch_sizes=[1, 2, 4], warmup=0, repeats=2,
+                                 cache_path=str(tmp_path / "cache.json"), shape_warmup=False)
+    dm = GridDataModule()
+    with pytest.warns(UserWarning) as record:
+        _fit_dm(tmp_path, VideoDiTModule(**TINY), [calib], dm)
+    messages = " ".join(str(w.message) for w in record)
+    assert "the fit is not trusted" in messages and "measuring again with 6 repeats" in messages
+    assert "NOT trusted" in messages and "falls back to the token_equal policy" in messages
+    assert not calib.trusted and calib.source == "measured again" and calib.distrust_reasons
+    if kind != "noisy":
+        assert any("does not grow" in r for r in calib.distrust_reasons)
+    # first pass: 2 repeats per point; second: 6 (plus settling steps at the first point of each)
+    grid_points = len(calib.points)
+    assert len(calls) >= grid_points * (2 + 6)
+    assert dm.cost_model_calls == [(None, None, "token_equal")]
+    assert not (tmp_path / "cache.json").exists()
+    doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
+    assert doc["trusted"] is False and doc["source"] == "measured again" and doc["distrust_reasons"]
+
+
+def test_a_fit_trusted_on_the_second_measurement_is_used_and_cached(tmp_path, monkeypatch):
+    passes = []
+
+    def fake_step(self, batch):
+        b, s = batch["latents"].shape[0], batch["seq_len"]
+        if len(passes) == 0:
+            return 5.0  # first pass: flat
+        return 2.0 + 0.01 * b * s + 1e-4 * b * s * s  # second: a clean linear-quadratic cost
+
+    real_benchmark = CostModelCalibration._benchmark
+
+    def counting_benchmark(self, *args, **kwargs):
+        out = real_benchmark(self, *args, **kwargs)
+        passes.append(len(out))
+        return out
+
+    monkeypatch.setattr(StepRunner, "step", fake_step)
+    monkeypatch.setattr(CostModelCalibration, "_benchmark", counting_benchmark)
+    calib = CostModelCalibration(num_seq_lens=4, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), shape_warmup=False)
+    dm = GridDataModule()
+    _fit_dm(tmp_path, VideoDiTModule(**TINY), [calib], dm)
+    assert len(passes) == 2 and calib.trusted and calib.source == "measured again"
+    [(cm, _)] = dm.cost_model_calls
+    assert cm is calib.cost_model and cm.quality["heldout_mean_rel_err"] < 0.01
+    assert json.loads((tmp_path / "cache.json").read_text())["trusted"] is True
+
+
+def test_shape_warmup_runs_every_scheduled_shape_most_frequent_first(tmp_path, monkeypatch):
+    seen = []
+    real_step = StepRunner.step
+
+    def recording_step(self, batch):
+        seen.append((batch["latents"].shape[0], tuple(batch["latents"].shape[2:])))
+        return real_step(self, batch)
+
+    monkeypatch.setattr(StepRunner, "step", recording_step)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    _fit_dm(tmp_path, VideoDiTModule(**TINY), [calib], ShapesDataModule())
+    expected = sorted(ShapesDataModule.SCHEDULED, key=lambda x: -x[2])  # most batches per epoch first
+    warmed = calib.warmed_shapes
+    assert [(w["batch_size"], tuple(w["latent_shape"]), w["batches_per_epoch"]) for w in warmed] == expected
+    assert all(w["status"] == "warmed" and w["cold_ms"] > 0 and w["peak_bytes"] > 0 for w in warmed)
+    # one step per shape, after the grid, in that order (training steps do not go through the runner)
+    assert seen[-len(expected):] == [(b, thw) for b, thw, _ in expected]
+    doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
+    assert doc["warmed_shapes"] == warmed and doc["warmup_seconds"] > 0
+
+
+def test_shape_warmup_budget_leaves_the_least_frequent_shapes_cold(tmp_path, monkeypatch):
+    clock = iter(range(0, 10**6))  # every reading of the warm-up's clock advances one second
+    monkeypatch.setattr("lightning_adaptiveload.calibration.warmup.time.perf_counter", lambda: float(next(clock)))
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, shape_warmup_budget_s=1.5,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    _fit_dm(tmp_path, VideoDiTModule(**TINY), [calib], ShapesDataModule())
+    status = [(w["batches_per_epoch"], w["status"]) for w in calib.warmed_shapes]
+    # clock readings: start 0, then 1 (first shape: 1 <= 1.5, warmed), 2 (> 1.5: the rest stay cold)
+    assert status == [(9, "warmed"), (5, "skipped_budget"), (3, "skipped_budget"), (1, "skipped_budget")]
+
+
+def test_shape_warmup_off_and_datamodules_without_a_shape_list(tmp_path):
+    off = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, shape_warmup=False,
+                               cache_path=str(tmp_path / "a.json"), **TRUST_ANY)
+    _fit_dm(tmp_path / "a", VideoDiTModule(**TINY), [off], ShapesDataModule())
+    assert off.warmed_shapes == []
+    plain = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "b.json"), **TRUST_ANY)
+    _fit_dm(tmp_path / "b", VideoDiTModule(**TINY), [plain], GridDataModule())
+    assert plain.warmed_shapes == []
+
+
+def test_cached_calibration_still_warms_and_a_resume_says_from_checkpoint(tmp_path, caplog):
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(tmp_path / "c.json"),
+                  **TRUST_ANY)
+    _fit_dm(tmp_path / "a", VideoDiTModule(**TINY), [CostModelCalibration(**kwargs)], ShapesDataModule())
+    cached = CostModelCalibration(**kwargs)
+    _fit_dm(tmp_path / "b", VideoDiTModule(**TINY), [cached], ShapesDataModule())
+    assert cached.source == "cache" and [w["status"] for w in cached.warmed_shapes] == ["warmed"] * 4
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    _fit_dm(tmp_path / "c", VideoDiTModule(**TINY), [CostModelCalibration(**kwargs), checkpoint], ShapesDataModule(),
+            enable_checkpointing=True)
+    resumed = CostModelCalibration(**kwargs)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path / "d"),
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "d",
+                            callbacks=[resumed])
+        trainer.fit(VideoDiTModule(**TINY), datamodule=ShapesDataModule(),
+                    ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
+    assert resumed.source == "checkpoint" and "(from checkpoint)" in caplog.text and "(from cache)" not in caplog.text
+    doc = json.loads(next((tmp_path / "d").rglob("calibration.json")).read_text())
+    assert doc["source"] == "checkpoint" and len(doc["warmed_shapes"]) == 4
+
+
+def test_compiled_regions_are_found_and_get_recompile_room(tmp_path, monkeypatch):
+    import torch._dynamo.config as dynamo_config
+
+    module = VideoDiTModule(**TINY)
+    assert compiled_submodules(module) == []
+    module.dit.blocks[0].compile(backend="eager", dynamic=True)
+    assert compiled_submodules(module) == ["dit.blocks.0"]
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 20)
+    assert raise_recompile_limit(30) == (8, 30 + RECOMPILE_SLACK)
+    assert dynamo_config.recompile_limit == 38 and dynamo_config.accumulated_recompile_limit == 38
+    assert raise_recompile_limit(1) == (38, 38)  # never lowered
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    _fit_dm(tmp_path, module, [calib], ShapesDataModule())
+    doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
+    # 6 grid points and 4 scheduled shapes, plus the slack
+    assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 4 + RECOMPILE_SLACK
+    assert all(w["status"] == "warmed" for w in doc["warmed_shapes"])
+    assert model_fingerprint(module) != model_fingerprint(VideoDiTModule(**TINY))

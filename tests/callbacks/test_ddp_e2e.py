@@ -80,7 +80,13 @@ def test_calibration_identical_on_both_ranks_and_reused(run_dir):
     saved = CostModel.from_json(run_dir / "first" / "version_0" / "calibration_cost_model.json")
     assert saved.params == first["params"]
     calibration = json.loads((run_dir / "reference" / "version_0" / "calibration.json").read_text())
-    assert calibration["from_cache"] is True
+    assert calibration["source"] == "cache" and calibration["trusted"] is True
+    # both ranks warmed every (B, shape) the epoch plan holds, the same on both (same count on each)
+    scheduled = {(w["batch_size"], tuple(w["latent_shape"])) for w in calibration["warmed_shapes"]}
+    trained = {(len(b["keys"]), b["seq_len"]) for fit in ("reference",) for r in (0, 1)
+               for b in _read_jsonl(run_dir / f"keys_{fit}_rank{r}.jsonl")}
+    assert {b for b, _ in scheduled} >= {b for b, _ in trained} and all(
+        w["status"] == "warmed" for w in calibration["warmed_shapes"])
 
 
 @pytest.mark.slow

@@ -49,6 +49,21 @@ def test_unknown_option_is_a_clear_error(capsys):
     assert "no_such_option" in capsys.readouterr().err
 
 
+def _epoch_batches(config_path) -> list[list[str]]:
+    """Sample keys of every batch of epoch 0 of the config's DataModule (one rank), after the same
+    calibration would have set the cost model: read from the calibration record of the run."""
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.scheduling.cost_model import CostModel
+
+    config = yaml.safe_load(Path(config_path).read_text())
+    root = Path(config["trainer"]["default_root_dir"])
+    dm = AdaptiveLoadDataModule(**config["data"]["init_args"])
+    dm.setup("fit")
+    dm.set_cost_model(CostModel.from_json(root / "logs" / "version_0" / "calibration_cost_model.json"))
+    loader = dm.build_train_loader(1, 0)
+    return [batch["keys"] for batch in loader]
+
+
 def test_demo_config_trains_a_few_steps_on_cpu(tmp_path, capsys, caplog):
     """The demo config end to end (synthesized shards, calibration, training, balance summary)
     with fewer samples, a smaller calibration grid and 3 steps, everything under tmp_path."""
@@ -57,7 +72,8 @@ def test_demo_config_trains_a_few_steps_on_cpu(tmp_path, capsys, caplog):
                              enable_model_summary=False, log_every_n_steps=1)
     config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
     calibration = config["trainer"]["callbacks"][0]["init_args"]
-    calibration.update(num_seq_lens=3, batch_sizes=[1, 2, 4], repeats=1)
+    # any fit is trusted: the trust check has its own tests (tests/callbacks/test_calibration.py)
+    calibration.update(num_seq_lens=3, batch_sizes=[1, 2, 4], repeats=1, max_heldout_error=float("inf"), min_work_correlation=-1)
     config["data"]["init_args"].update(shards=str(tmp_path / "shards"), index=str(tmp_path / "index.jsonl"),
                                        synthesize=48, synthesize_shapes=str(ROOT / "examples/configs/demo_mix.jsonl"))
     path = tmp_path / "demo.yaml"
@@ -68,6 +84,15 @@ def test_demo_config_trains_a_few_steps_on_cpu(tmp_path, capsys, caplog):
     log_dir = tmp_path / "logs" / "version_0"
     doc = json.loads((log_dir / "calibration.json").read_text())
     assert len(doc["measurements"]) == 9 and doc["cost_model"]["p"] > 0
+    # the warm-up covered every (B, latent shape) of the epoch's batches, checked against the
+    # batches the sampler's plan holds (samples' shapes read from the index)
+    from lightning_adaptiveload.data.index import read_index
+    index = read_index(tmp_path / "index.jsonl")
+    shape_of = {index.key(i): tuple(int(v) for v in index.latent_shape[i]) for i in range(len(index))}
+    warmed = {(w["batch_size"], tuple(w["latent_shape"])) for w in doc["warmed_shapes"] if w["status"] == "warmed"}
+    assert len(warmed) == len(doc["warmed_shapes"]) > 0
+    trained = {(len(keys), shape_of[keys[0]]) for keys in _epoch_batches(path)}
+    assert trained <= warmed
     assert (log_dir / "calibration_fit.png").exists() and (tmp_path / "calibration_cache.json").exists()
     with open(log_dir / "metrics.csv") as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]

@@ -1,0 +1,91 @@
+"""The calibration record: `calibration.json` in the log dir and the cache it is reused from.
+
+The cache key says what decides a step's cost beyond the batch shape (model fingerprint, strategy,
+precision, world size, device, grid, repeats); a cached record is reused only under an equal key,
+only when its fit was trusted (fit.py), and is re-validated field by field on read: a stale or
+foreign cache never stops training, it is measured again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lightning_adaptiveload._validation import is_positive_number
+
+FORMAT = "adaptiveload.calibration"
+VERSION = 2
+# ok: measured; oom: out of memory on some rank; predicted_oom: not run (CUDA memory forecast);
+# skipped_oom: a point no larger in B and S did not fit; skipped_budget: time budget spent.
+STATUSES = ("ok", "oom", "predicted_oom", "skipped_oom", "skipped_budget")
+INFEASIBLE = ("oom", "predicted_oom")
+
+
+def model_fingerprint(module: torch.nn.Module) -> str:
+    """sha256 of what decides the step's cost beyond the strategy: the class name, every
+    parameter's name, shape and dtype, every submodule's class and any `forward` bound on an
+    instance (module surgery swaps those, leaving classes and parameters alone), whether a
+    submodule is compiled, and the LightningModule's hyperparameters (e.g. activation
+    checkpointing, which changes no parameter)."""
+    lines = [f"{type(module).__module__}.{type(module).__qualname__}"]
+    lines += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    for name, sub in module.named_modules():
+        patched = getattr(sub.__dict__.get("forward"), "__func__", sub.__dict__.get("forward"))
+        compiled = getattr(sub, "_compiled_call_impl", None) is not None
+        lines.append(f"{name}:{type(sub).__qualname__}"
+                     + (f":{patched.__module__}.{patched.__qualname__}" if patched is not None else "")
+                     + (":compiled" if compiled else ""))
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        try:
+            text = json.dumps(dict(hparams), sort_keys=True, default=str)
+        except TypeError:  # a nested dict with keys of several types cannot be sorted
+            text = str(sorted(hparams.items()))
+        # no object addresses (a function's str has one): the same hparams give the same key every run
+        lines.append(re.sub(r" at 0x[0-9a-fA-F]+", "", text))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def read_cache(path: Path, key: dict) -> dict | None:
+    """The cached calibration at `path` if its key equals `key` and every point is well formed,
+    else None (missing, other key, or unreadable)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        return None
+    if doc.get("key") != key or not isinstance(doc.get("points"), list):
+        return None
+    for p in doc["points"]:
+        if not (isinstance(p, dict) and isinstance(p.get("batch_size"), int) and isinstance(p.get("seq_len"), int)
+                and p.get("status") in STATUSES):
+            return None
+        if p["status"] == "ok" and not (is_positive_number(p.get("time_ms")) and isinstance(p.get("peak_bytes"), int)):
+            return None
+    return doc
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """Write `doc` as JSON under a unique name and rename it into place: a reader never sees half a
+    file (ranks of several jobs may share a cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def finite_or_none(values: dict) -> dict:
+    """JSON has no NaN: unknown quality numbers are written as null."""
+    return {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in values.items()}

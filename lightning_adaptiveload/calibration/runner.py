@@ -1,0 +1,184 @@
+"""Real training steps for measurement, with no trace left on the run.
+
+`StepRunner` runs the user's `training_step` + backward under the active strategy and precision
+(`trainer.strategy.training_step`, the strategy's `pre_backward`/`post_backward` around
+`loss.backward()`), never an optimizer step, so parameters and optimizer state are untouched; on
+exit it restores gradients, buffers, train/eval modes and the python/numpy/torch/cuda RNG states.
+Every decision that changes what a rank does next (stop for the time budget, an out-of-memory
+point) goes through one all-reduce, so all ranks run the same steps and none waits alone inside a
+collective of a sharded forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import time
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def agree(strategy, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (one all-reduce of a number)."""
+    value = torch.tensor(float(flag), device=strategy.root_device)
+    return bool(strategy.reduce(value, reduce_op="max") > 0)
+
+
+class _SavedTensorBytes:
+    """Bytes of distinct storages autograd saves for backward (activation memory), the peak-memory
+    measure on CPU where no allocator statistics exist."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+class StepRunner:
+    """Context manager: inside it, `step`, `measure` and `settle` run real training steps of
+    `pl_module` under `trainer`'s strategy; leaving it restores everything they touched."""
+
+    def __init__(self, trainer: Trainer, pl_module: LightningModule):
+        self.trainer, self.pl_module = trainer, pl_module
+        self.strategy = trainer.strategy
+        self.device = self.strategy.root_device
+        # batch_idx is optional in training_step; pass it only if declared, as Lightning's loop does
+        self._with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+
+    def __enter__(self) -> "StepRunner":
+        module = self.pl_module
+        self._rng = _rng_state()
+        self._modes = {m: m.training for m in module.modules()}
+        self._buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        # self.log is forbidden in on_fit_start, and measurement must not leave logged values.
+        module.log = module.log_dict = lambda *args, **kwargs: None
+        module.train()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        module = self.pl_module
+        del module.log, module.log_dict
+        for m, training in self._modes.items():
+            m.training = training
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(self._buffers[name])
+        self.zero_grad()
+        _set_rng_state(self._rng)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- collectives ------------------------------------------------------------------------
+    def agree(self, flag: bool) -> bool:
+        return agree(self.strategy, flag)
+
+    def max_over_ranks(self, *values: float) -> list[float]:
+        """Each value's maximum over ranks (one all-reduce): a step is as slow as its slowest rank,
+        memory as high as the fullest."""
+        stats = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.strategy.reduce(stats, reduce_op="max").tolist()
+
+    # ---- steps ------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for param in self.pl_module.parameters():
+            param.grad = None
+
+    def step(self, batch) -> float:
+        """ms of one forward + backward of a batch already on the device, synchronized; gradients
+        dropped afterwards."""
+        strategy, cuda = self.strategy, self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        begin = time.perf_counter()
+        output = strategy.training_step(batch, 0) if self._with_idx else strategy.training_step(batch)
+        loss = output["loss"] if isinstance(output, dict) else output
+        # pre/post_backward of the strategy (DDP's reducer bookkeeping) without the precision
+        # plugin's, which would run the user's on_before/after_backward callback hooks.
+        strategy.pre_backward(loss)
+        loss.backward()
+        strategy.post_backward(loss)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        elapsed = (time.perf_counter() - begin) * 1e3
+        del output, loss
+        self.zero_grad()
+        return elapsed
+
+    def settle(self, batch, max_steps: int = 10, tolerance: float = 0.25) -> int:
+        """Untimed steps until two consecutive step times agree within `tolerance` on every rank (at
+        most `max_steps`); returns the steps taken. Lazy initialisation (allocator pools, kernel
+        selection, a first-use kernel build, page faults after the shards were written) can
+        stretch the first steps by 100x and would otherwise land in the timings, and in the cache."""
+        previous = None
+        for taken in range(1, max_steps + 1):
+            elapsed = self.step(batch)
+            settled = previous is not None and abs(elapsed - previous) <= tolerance * previous
+            if not self.agree(not settled):  # every rank stops at the same step
+                return taken
+            previous = elapsed
+        return max_steps
+
+    def measure(self, batch_fn, warmup: int, repeats: int, settle: bool = False) -> dict:
+        """Median time (ms) of `repeats` steps after `warmup` untimed ones (after `settle` first,
+        if asked), and peak memory (bytes: CUDA max_memory_allocated, on CPU the bytes autograd
+        saves for backward), on the batch `batch_fn()` builds; both the maximum over ranks.
+        {"status": "oom"} on every rank if any rank ran out of memory (freed before returning)."""
+        device, cuda = self.device, self.device.type == "cuda"
+        out_of_memory = False
+        times, saved_bytes = [], []
+        try:
+            batch = self.strategy.batch_to_device(batch_fn())
+            if settle:
+                self.settle(batch)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            for i in range(warmup + repeats):
+                saved = _SavedTensorBytes()
+                counting = (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+                            if not cuda else contextlib.nullcontext())
+                with counting:
+                    elapsed = self.step(batch)
+                saved_bytes.append(saved.total)
+                if i >= warmup:
+                    times.append(elapsed)
+            peak = torch.cuda.max_memory_allocated(device) if cuda else max(saved_bytes)
+            del batch
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        if out_of_memory:  # outside the except block, so the traceback no longer pins activations
+            self.zero_grad()
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if self.agree(out_of_memory):
+            return {"status": "oom"}
+        time_ms, peak_bytes = self.max_over_ranks(float(np.median(times)), float(peak))
+        return {"status": "ok", "time_ms": time_ms, "peak_bytes": int(peak_bytes)}

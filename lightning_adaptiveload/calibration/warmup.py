@@ -1,0 +1,56 @@
+"""Shape warm-up: one forward + backward of every (batch size, latent shape) training can schedule,
+before training starts.
+
+A step that meets a (B, T, H, W) for the first time in the process pays for building its kernels:
+cuDNN attention builds an execution graph per new shape (90-210 ms per new shape on an H200 with 8
+Wan-1.3B blocks, docs/cost_model.md), a compiled model compiles it (seconds). Under balanced
+scheduling no rank has idle time to hide that, and a rank meeting a new shape stalls every other
+rank. Warming every scheduled shape once, on every rank in the same order, moves that cost before
+the first step. The cuDNN graph cache is an unbounded per-thread map that is never evicted, so a
+warmed shape stays warm for the life of the process.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from lightning_adaptiveload.calibration.runner import StepRunner
+
+# A scheduled batch: (batch size, latent (T, H, W), batches of it per epoch over all ranks).
+ScheduledShape = tuple[int, tuple[int, int, int], int]
+
+
+def warm_shapes(runner: StepRunner, batch_fn: Callable[[tuple[int, int, int], int], dict],
+                shapes: list[ScheduledShape], budget_s: float,
+                predict_ms: Callable[[int, tuple[int, int, int]], float] | None = None,
+                progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Run one forward + backward of `batch_fn(latent_shape, batch_size)` per entry of `shapes`,
+    most frequent first, until `budget_s` seconds are spent (decided on every rank together).
+
+    Returns one entry per shape: batch_size, latent_shape, batches_per_epoch, status ("warmed",
+    "oom": the scheduled batch does not fit in memory, "skipped_budget": left cold), and for warmed
+    ones cold_ms (the first step's time, the maximum over ranks), peak_bytes and, with
+    `predict_ms`, predicted_ms (the cost model's warm time) so cold_ms - predicted_ms estimates
+    what the first occurrence would have cost training.
+    """
+    order = sorted(shapes, key=lambda x: (-x[2], x[0], tuple(x[1])))
+    start = time.perf_counter()
+    results = []
+    for i, (batch_size, thw, count) in enumerate(order):
+        entry = {"batch_size": int(batch_size), "latent_shape": [int(v) for v in thw],
+                 "batches_per_epoch": int(count)}
+        if runner.agree(time.perf_counter() - start > budget_s):
+            entry["status"] = "skipped_budget"
+        else:
+            measured = runner.measure(lambda: batch_fn(tuple(thw), int(batch_size)), warmup=0, repeats=1)
+            if measured["status"] == "oom":
+                entry["status"] = "oom"
+            else:
+                entry.update(status="warmed", cold_ms=measured["time_ms"], peak_bytes=measured["peak_bytes"])
+                if predict_ms is not None:
+                    entry["predicted_ms"] = float(predict_ms(int(batch_size), tuple(thw)))
+        results.append(entry)
+        if progress is not None:
+            progress(f"warm-up {i + 1}/{len(order)}: B={batch_size} latent {tuple(thw)} "
+                     + (f"{entry['cold_ms']:.1f} ms" if entry["status"] == "warmed" else entry["status"]))
+    return results

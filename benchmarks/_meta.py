@@ -1,9 +1,10 @@
-"""Header fields of a CPU benchmark's result file: what ran, when, where, with which versions."""
+"""The header of every benchmark's result file: what ran, when, where, with which versions."""
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,16 +12,42 @@ import numpy as np
 
 import lightning_adaptiveload
 
+REPO = Path(__file__).resolve().parents[1]
 
-def cpu_run_meta(benchmark: str, **versions: str) -> dict:
-    """benchmark, command, date (UTC), device, load average and versions (python, numpy, this
-    package, plus `versions`). The machine is shared, so timings scale with the load average."""
-    return {
+
+def git_commit() -> str:
+    """The repository's HEAD commit, with "+dirty" when tracked files differ from it; "unknown"
+    outside a git checkout (e.g. a copy of the tree on another machine without .git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def run_meta(benchmark: str, **versions: str) -> dict:
+    """benchmark, command, date (UTC), git commit, device (the GPU's name when torch sees one, else
+    the CPU, with the load average: a shared machine's timings scale with it) and versions
+    (python, numpy, torch, CUDA, cuDNN, lightning, this package, plus `versions`)."""
+    import lightning
+    import torch
+
+    cuda = torch.cuda.is_available()
+    meta = {
         "benchmark": benchmark,
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible",
-        "load_average_1_5_15min_at_end": list(os.getloadavg()),
-        "versions": {"python": platform.python_version(), "numpy": np.__version__,
+        "git_commit": git_commit(),
+        "device": (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if cuda
+                   else f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores visible"),
+        "versions": {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+                     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
+                     "lightning": lightning.__version__,
                      "lightning_adaptiveload": lightning_adaptiveload.__version__, **versions},
     }
+    if not cuda:
+        meta["load_average_1_5_15min_at_end"] = list(os.getloadavg())
+    return meta

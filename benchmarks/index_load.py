@@ -181,7 +181,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from _meta import cpu_run_meta  # imports the package: only here, not in the measured children
+    from _meta import run_meta  # imports the package: only here, not in the measured children
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "data").mkdir()
@@ -220,8 +220,7 @@ def main() -> None:
         arrays = f"{r['array_bytes'] / args.lines:>16.0f}" if "array_bytes" in r else f"{'':>16}"
         print(f"{r['version']:<22} {r['phase']:<12} {r['seconds']:>8.2f} {r['retained_bytes'] / 2**20:>9.0f} "
               f"{r['retained_bytes'] / args.lines:>9.0f} {r['peak_growth_bytes'] / 2**20:>9.0f} {copied} {arrays}")
-    git_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    doc = cpu_run_meta("index_load", git_commit=git_commit.stdout.strip()) | {
+    doc = run_meta("index_load") | {
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "folder")},
         "index_file_bytes": index_bytes,
         "cache_file_bytes": cache_bytes,

@@ -21,10 +21,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from _meta import cpu_run_meta
+from _meta import run_meta
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
@@ -103,7 +102,7 @@ def main() -> None:
         print(f"{'PASS' if c['passed'] else 'MISS'}  {c['world_size']:>3} ranks  {c['target']:<45} {c['value']:.4f}")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = cpu_run_meta("policies", torch=torch.__version__) | {
+    doc = run_meta("policies") | {
         "device": f"simulation on CPU ({platform.processor() or platform.machine()}); step times predicted "
                   f"by the cost model fitted to {Path(args.cost_model).name}",
         "cost_model": {"form": model.form, "params": model.params, "p": model.p, "quality": model.quality},

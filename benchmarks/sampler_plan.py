@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from _meta import cpu_run_meta
+from _meta import run_meta
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
@@ -93,7 +93,7 @@ def main() -> None:
     print(f"worst init+plan {worst_s:.2f} s, worst traced peak {worst_bytes / 2**20:.0f} MiB: {checks}")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = cpu_run_meta("sampler_plan", torch=torch.__version__) | {
+    doc = run_meta("sampler_plan", torch=torch.__version__) | {
         "settings": vars(args),
         "rows": rows,
         "process_peak_rss_bytes": rss_peak,

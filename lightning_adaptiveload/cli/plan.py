@@ -8,8 +8,7 @@ import sys
 import numpy as np
 
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
-from lightning_adaptiveload.scheduling.policies import batch_sizes
-from lightning_adaptiveload.scheduling.sampler import resolve_compute_budget
+from lightning_adaptiveload.scheduling.policies import batch_sizes, resolve_compute_budget
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 
 

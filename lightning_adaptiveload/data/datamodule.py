@@ -32,10 +32,11 @@ from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, Ba
                                                 decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
                                                 resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.webdataset_stream import StreamingLatentDataset
-from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
-from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, resolve_compute_budget
+from lightning_adaptiveload._validation import require_choice, require_int
+from lightning_adaptiveload.scheduling.policies import POLICIES, batch_sizes, resolve_compute_budget
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
-from lightning_adaptiveload.scheduling.stream_batcher import make_stream_plan
+from lightning_adaptiveload.scheduling.stream_batcher import make_stream_schedule
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0,
                  index_cache: bool = True):
         super().__init__()
-        check_policy(policy)
+        require_choice("policy", policy, POLICIES)
         if oversize not in ("drop", "resize"):
             raise ValueError(f"oversize must be 'drop' or 'resize', got {oversize!r}")
         for name, value in (("m_mem", m_mem), ("latent_channels", latent_channels), ("text_len", text_len),
@@ -453,7 +454,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                        latent_thw=np.array([self._key_shape[int(k)] for k in seq_lens]))
         # True tokens are checked against max_seq_len when decoding; keys may sit above it by at
         # most the number of planned keys (collision offsets), which the batcher must accept.
-        plan = make_stream_plan(mix, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
+        plan = make_stream_schedule(mix, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
                                 cost_model=self.cost_model,
                                 max_seq_len=max(self.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
         keys = {shape: key for key, shape in self._key_shape.items()}

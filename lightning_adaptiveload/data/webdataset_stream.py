@@ -12,12 +12,13 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset
 
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, SKIPPED_KEY, BadSample, decode_sample
-from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, StreamPlan
+from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, StreamSchedule
 
 DRY_READS_PER_SHARD = 8
 
@@ -39,13 +40,26 @@ def shard_order(shards: list[str], *, rank: int, world_size: int, worker: int, n
             yield from rng.sample(own, len(own))
 
 
+def sample_nbytes(sample: dict) -> int:
+    """Bytes a buffered sample holds: tensors, arrays and bytes values (others count 0)."""
+    total = 0
+    for value in sample.values():
+        if isinstance(value, torch.Tensor):
+            total += value.element_size() * value.nelement()
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, (bytes, bytearray)):
+            total += len(value)
+    return total
+
+
 class StreamingLatentDataset(IterableDataset):
     """Batches (already collated by `collate`) of one rank; `len()` is steps_per_epoch.
 
     Skip counts of this worker since its previous batch travel in each batch ("skipped");
     `steps_done` (set by the loader from a checkpoint) shortens the current epoch."""
 
-    def __init__(self, shards: list[str], plan: StreamPlan, *, keys: dict[tuple, int], decode_kwargs: dict, collate,
+    def __init__(self, shards: list[str], plan: StreamSchedule, *, keys: dict[tuple, int], decode_kwargs: dict, collate,
                  steps_per_epoch: int, rank: int, world_size: int, seed: int, shuffle_buffer: int,
                  max_buffer_samples: int, max_buffer_bytes: int):
         self.shards, self.plan, self.keys = shards, plan, keys
@@ -121,7 +135,7 @@ class StreamingLatentDataset(IterableDataset):
             self._decoded(raw, skipped, progress))
         batcher = StreamingBucketBatcher(self.plan, batches_per_epoch=self.steps_per_epoch - self.steps_done,
                                          seed=self.seed, max_buffer_samples=self.max_buffer_samples,
-                                         max_buffer_bytes=self.max_buffer_bytes, worker=worker,
+                                         max_buffer_bytes=self.max_buffer_bytes, nbytes=sample_nbytes, worker=worker,
                                          num_workers=num_workers)
         batcher.set_epoch(self.epoch)
         for samples in batcher(decoded):

@@ -82,7 +82,7 @@ def test_simulate_json(capsys, fitted):
 
 
 @pytest.mark.parametrize("line, needle", [
-    ('{"frames": 1, "height": 0, "width": 64}', ":2: field 'height' must be >= 1"),
+    ('{"frames": 1, "height": 0, "width": 64}', ":2: field 'height' must be an integer >= 1, got 0"),
     ('{"tokens": 512, "count": 2.5}', ":2: field 'count' must be an integer"),
     ('{"tokens": 512', ":2: not valid JSON"),
     ('{"frames": 1, "height": 64}', ":2: needs 'tokens'"),

@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.policies import dual_constraint_batch_size, token_equal_batch_size
-from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, assign_buckets
+from lightning_adaptiveload.scheduling.buckets import assign_buckets
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 
 M_MEM = 65536
 BUCKETS = np.array([256, 1024, 1560, 3600, 7800, 14040, 20280, 32760, 46800, 61200, 75600])
@@ -275,11 +276,11 @@ def test_reads_world_from_torch_distributed(tmp_path):
 
 
 def test_reads_rank_from_torch_distributed(monkeypatch):
-    import lightning_adaptiveload.scheduling.sampler as sampler_module
+    import torch.distributed as dist
 
-    monkeypatch.setattr(sampler_module.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(sampler_module.dist, "get_world_size", lambda: 4)
-    monkeypatch.setattr(sampler_module.dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
     seq_lens = random_seq_lens(800, seed=8)
     s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM)
     assert (s.num_replicas, s.rank) == (4, 2)
@@ -318,9 +319,9 @@ def test_lightning_trainer_uses_it_and_sets_epoch(tmp_path):
 
 
 def test_integer_arguments_give_clear_errors():
-    from lightning_adaptiveload.scheduling.policies import require_int
+    from lightning_adaptiveload._validation import require_int
     from lightning_adaptiveload.scheduling.simulate import simulate
-    from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_plan
+    from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_schedule
     from lightning_adaptiveload.scheduling.shapes import ShapeMix
 
     assert require_int("n", 4096.0) == 4096 and require_int("n", np.int64(7)) == 7 and require_int("n", 0, 0) == 0
@@ -332,7 +333,8 @@ def test_integer_arguments_give_clear_errors():
         BucketBatchSampler(seq, policy="token_equal", m_mem=M_MEM, max_seq_len="long")
     mix = ShapeMix(tokens=np.array([100, 400]), counts=np.array([5, 5]), latent_thw=-np.ones((2, 3), np.int64))
     with pytest.raises(ValueError, match="batches_per_epoch must be an integer >= 1, got None"):
-        StreamingBucketBatcher(make_stream_plan(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None)
+        StreamingBucketBatcher(make_stream_schedule(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None,
+                               worker=0, num_workers=1)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got None"):
         simulate(mix, None, m_mem=M_MEM, world_size=1, policy="token_equal", steps=None)
 

@@ -227,7 +227,7 @@ class CostModelCalibration(Callback):
                 self._save_outputs(log_dir, doc, feasible)
                 self._report(trainer, doc, max(seq_lens))
                 if callable(getattr(datamodule, "bucket_table", None)):
-                    rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
+                    rank_zero_info("bucket table after calibration\n" + datamodule.bucket_table().format())
             except Exception as e:  # raised below on every rank: the others must not train on alone
                 write_error = e
         if self._agree(trainer.strategy, write_error is not None):
@@ -451,15 +451,6 @@ class CostModelCalibration(Callback):
             metrics["calibration/m_mem"] = float(self.measured_m_mem)
         for logger in trainer.loggers:  # self.log is not allowed in on_fit_start
             logger.log_metrics(metrics, step=0)
-
-
-def _format_bucket_table(rows: list[dict]) -> str:
-    lines = ["bucket table after calibration",
-             f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7}"]
-    for row in rows:
-        lines.append(f"{row['seq_len']:>8} {str(tuple(row['latent_shape'])):>18} {row['samples']:>8} "
-                     f"{row['batch_size']:>5} {row['batch_size'] * row['seq_len']:>7}")
-    return "\n".join(lines)
 
 
 def _read_cache(path: Path, key: dict) -> dict | None:

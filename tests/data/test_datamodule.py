@@ -54,18 +54,6 @@ def test_map_style_batches_equal_written_arrays(tmp_path, policy, num_workers):
     assert dict(dm.skipped) == {}
 
 
-def test_schedule_keys_one_shape_per_key():
-    rng = np.random.default_rng(0)
-    shapes = np.array([SHAPES[i] for i in rng.integers(len(SHAPES), size=500)])
-    tokens = np.array([tokens_ref(*s) for s in shapes])
-    keys = schedule_keys(shapes, tokens)
-    assert (keys >= tokens).all()
-    for k in np.unique(keys):
-        assert len({tuple(s) for s in shapes[keys == k]}) == 1
-    assert len(np.unique(keys)) == len({tuple(s) for s in shapes})
-    assert (keys - tokens).max() <= 2  # collisions move a count by at most the group size
-
-
 def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
     write_dataset(tmp_path, n=90)
     dm = make_dm(tmp_path, m_mem=200)

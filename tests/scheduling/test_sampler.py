@@ -140,6 +140,45 @@ def test_drop_last_false_keeps_partials(world, policy):
     assert all(len(b) >= 1 for r in per_rank for b in r)
 
 
+@pytest.mark.parametrize("policy", ["token_equal", "dual_constraint", "balanced"])
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_drop_last_false_schedules_every_sample_once(policy, world, monkeypatch):
+    """Every sample exactly once, equal steps on every rank, whenever the epoch's samples can fill
+    ceil(batches / world) steps of non-empty batches; otherwise only the last leftover (< world
+    samples) is left out and counted. Mixes heavy in B = 1 buckets make small leftovers common."""
+    import lightning_adaptiveload.scheduling.epoch_plan as epoch_plan
+
+    resplits = []
+    original = epoch_plan._steps_to_resplit
+    monkeypatch.setattr(epoch_plan, "_steps_to_resplit", lambda *a: resplits.append(original(*a)) or resplits[-1])
+    rng = np.random.default_rng(world)
+    weights = np.array([1, 1, 1, 1, 1, 1, 2, 2, 6, 6], dtype=float)  # BUCKETS[:-1]: the last two have B = 1
+    for trial in range(25):
+        seq_lens = rng.choice(BUCKETS[:-1], size=int(rng.integers(world, 80)), p=weights / weights.sum())
+        samplers = make_ranks(seq_lens, world, policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=trial,
+                              drop_last=False)
+        size = dict(zip(samplers[0].bucket_seq_len.tolist(), samplers[0].bucket_batch.tolist()))
+        counts = {s: int((seq_lens == s).sum()) for s in size}
+        batches = sum(-(-n // size[s]) for s, n in counts.items())
+        fillable = len(seq_lens) >= -(-batches // world) * world
+        per_rank = [list(s) for s in samplers]
+        assert len({len(r) for r in per_rank}) == 1
+        flat = np.concatenate([np.asarray(b) for r in per_rank for b in r])
+        assert len(np.unique(flat)) == len(flat)
+        for r in per_rank:
+            for b in r:
+                s = np.unique(seq_lens[b])
+                assert len(s) == 1 and 1 <= len(b) <= size[int(s[0])]
+        stats = samplers[0].stats
+        assert stats["dropped_partial_batch"] == 0 and stats["samples_scheduled"] == len(flat)
+        if fillable:
+            assert sorted(flat.tolist()) == list(range(len(seq_lens))) and stats["dropped_step_remainder"] == 0
+            assert len(per_rank[0]) == -(-batches // world)
+        else:
+            assert 0 < stats["dropped_step_remainder"] == len(seq_lens) - len(flat) < world
+    assert any(r and r > 0 for r in resplits), "no case re-split earlier steps"
+
+
 def test_oversize_drop_and_resize():
     seq_lens = np.array([100, 200, 200, 5000, 300, 9000, 100])
     bucket_of, bucket_seq = assign_buckets(seq_lens, max_seq_len=1000)

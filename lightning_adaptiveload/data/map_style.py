@@ -3,13 +3,13 @@ plans each epoch globally (balanced across ranks, resumable mid-epoch) and sampl
 byte offset from the tars."""
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
 from lightning_adaptiveload.data.index import SampleIndex, read_index, read_members
@@ -18,9 +18,6 @@ from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, Trai
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
-
-log = logging.getLogger(__name__)
-
 
 class IndexedShardDataset(Dataset):
     """Samples of an index, read by byte offset. Item i is `decode(key, member bytes)`, or
@@ -60,9 +57,10 @@ class MapStyleLoader(TrainLoader):
         stats = sampler.stats
         dropped = {key: stats[key] for key in DROP_COUNTERS if stats[key]}
         if dropped and sampler.rank == 0:  # the plan is the same on every rank: say it once
-            log.info("adaptiveload data: epoch %d trains %d of %d samples in %d steps; left out: %s (drop_last=%s)",
-                     sampler.epoch, stats["samples_scheduled"], stats["samples_total"] - stats["samples_consumed_before"],
-                     stats["steps"], ", ".join(f"{k}={v}" for k, v in dropped.items()), sampler.drop_last)
+            left_out = ", ".join(f"{k}={v}" for k, v in dropped.items())
+            rank_zero_info(f"adaptiveload data: epoch {sampler.epoch} trains {stats['samples_scheduled']} of "
+                           f"{stats['samples_total'] - stats['samples_consumed_before']} samples in {stats['steps']} "
+                           f"steps; left out: {left_out} (drop_last={sampler.drop_last})")
         return len(sampler.plan().steps) - len(sampler)
 
     def __len__(self) -> int:

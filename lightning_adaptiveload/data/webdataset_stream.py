@@ -263,7 +263,7 @@ class StreamingSource:
                     return found, skipped
         return found, skipped
 
-    def dataset(self, scheduling: dict, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
+    def build_dataset(self, scheduling: dict, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
         """The streaming dataset of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model)."""
         row_keys = schedule_keys(self._rows.latent_thw, self._rows.tokens)
         seq_lens, first = np.unique(row_keys, return_index=True)
@@ -293,5 +293,5 @@ class StreamingSource:
                      epoch_fn: Callable[[], int] | None = None) -> StreamingLoader:
         # Workers restart each epoch so they see the dataset's new epoch (a fork copies it). Batches
         # come collated.
-        return StreamingLoader(self.dataset(scheduling, num_replicas, rank), batch_size=None, collate_fn=as_is,
+        return StreamingLoader(self.build_dataset(scheduling, num_replicas, rank), batch_size=None, collate_fn=as_is,
                                num_workers=self.num_workers, pin_memory=torch.cuda.is_available(), epoch_fn=epoch_fn)

@@ -29,7 +29,8 @@ from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, MEMBER_SUFFIXES
 from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
-from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, StreamSchedule, make_stream_schedule
+from lightning_adaptiveload.scheduling.stream_batcher import (StreamingBucketBatcher, StreamSchedule,
+                                                              make_stream_schedule)
 
 log = logging.getLogger(__name__)
 DRY_READS_PER_SHARD = 8

@@ -263,7 +263,8 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
     assert set(skipped) == {"bad_shape", "bad_text"} and dm.skipped == skipped
     assert [row["key"] for row in dm.source.dataset.index] == kept
     np.testing.assert_array_equal(dm.source.sample_keys(), schedule_keys(np.array(thw), np.array(tokens)))
-    assert {r["seq_len"]: r["samples"] for r in dm.bucket_table().rows()} == dict(Counter(dm.source.sample_keys().tolist()))
+    samples = {r["seq_len"]: r["samples"] for r in dm.bucket_table().rows()}
+    assert samples == dict(Counter(dm.source.sample_keys().tolist()))
 
 
 def test_collate_keeps_the_majority_shape_on_a_collision():
@@ -290,7 +291,8 @@ def test_spawned_workers_read_correct_samples(tmp_path):
     dm = make_dm(tmp_path, m_mem=200, num_workers=2)
     for i in range(len(dm.source.dataset)):  # the main process opens every shard
         dm.source.dataset[i]
-    loader = torch.utils.data.DataLoader(dm.source.dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    loader = torch.utils.data.DataLoader(dm.source.dataset, batch_size=None, num_workers=1,
+                                         multiprocessing_context="spawn")
     seen = {}
     for sample in loader:
         seen[sample["key"]] = sample["latent"]

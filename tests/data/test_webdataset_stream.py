@@ -105,7 +105,8 @@ def test_streaming_uses_shapes_mix_for_bucket_table(tmp_path):
                    '{"latent_t": 9, "latent_h": 64, "latent_w": 64, "count": 1}\n')
     dm = stream_dm(tmp_path, shapes=str(mix), max_seq_len=100, oversize="resize")
     table = dm.bucket_table().rows()
-    assert [(r["seq_len"], r["latent_shape"], r["samples"]) for r in table[:2]] == [(8, (1, 4, 8), 5), (9, (1, 8, 4), 3)]
+    assert [(r["seq_len"], r["latent_shape"], r["samples"]) for r in table[:2]] == [(8, (1, 4, 8), 5),
+                                                                                  (9, (1, 8, 4), 3)]
     assert table[2]["seq_len"] <= 100 and tokens_ref(*table[2]["latent_shape"]) == table[2]["seq_len"]
     # shapes the mix does not list still stream, in their own buckets
     batches = rank_batches(dm, 2, 1)

@@ -57,7 +57,8 @@ def test_stage_invariants(policy):
     classes = class_schedule(schedule, seed=0, epoch=0, steps=steps)
     per_rank, stages = [], []
     for rank in range(world):
-        stage = StreamingBucketBatcher(schedule, batches_per_epoch=steps, max_buffer_samples=bound, worker=0, num_workers=1)
+        stage = StreamingBucketBatcher(schedule, batches_per_epoch=steps, max_buffer_samples=bound, worker=0,
+                                       num_workers=1)
         per_rank.append(list(stage(stream(MIX, seed=rank))))
         stages.append(stage)
     assert all(len(b) == steps for b in per_rank)

@@ -140,7 +140,9 @@ def child(phase: str, folder: Path) -> dict:
     gc.collect()
     result = {"phase": phase, "module": datamodule.__file__, "seconds": seconds,
               "retained_bytes": rss_bytes() - before, "peak_growth_bytes": peak_rss_bytes() - before}
-    index = held.dataset.index if phase.endswith("setup") and hasattr(held.dataset, "index") else held
+    # the DataModule keeps the index in its map-style source (before the split: in `dataset`)
+    data = getattr(held, "source", held)
+    index = data.dataset.index if phase.endswith("setup") and hasattr(data.dataset, "index") else held
     if hasattr(index, "key_blob"):  # columnar: the exact size of its arrays
         result["array_bytes"] = sum(v.nbytes for v in vars(index).values() if isinstance(v, np.ndarray))
     if phase == "worker":

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_adaptiveload._distributed import is_distributed, world_size_and_rank
+
 
 def scale_loss_to_global_mean(loss_mean: Tensor, local_count: int | Tensor, process_group=None) -> Tensor:
     """Return loss_mean * world_size * local_count / global_count.
@@ -28,7 +30,7 @@ def scale_loss_to_global_mean(loss_mean: Tensor, local_count: int | Tensor, proc
     count = torch.as_tensor(local_count, dtype=torch.float64, device=loss_mean.device).detach()
     if count.numel() != 1:
         raise ValueError(f"local_count must be a single number, got a tensor of shape {tuple(count.shape)}")
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return loss_mean
     global_count = count.reshape(1).clone()
     dist.all_reduce(global_count, op=dist.ReduceOp.SUM, group=process_group)
@@ -36,6 +38,6 @@ def scale_loss_to_global_mean(loss_mean: Tensor, local_count: int | Tensor, proc
     if global_count.device.type == "cpu" and global_count.item() <= 0:
         # Same value on every rank, so every rank raises together: no rank waits in a collective.
         raise ValueError("scale_loss_to_global_mean: the global count is 0 (every rank has an empty batch)")
-    world_size = dist.get_world_size(process_group)
+    world_size, _ = world_size_and_rank(process_group)
     factor = world_size * count.reshape(()) / global_count[0]
     return loss_mean * factor.to(loss_mean.dtype)

@@ -345,7 +345,7 @@ class CostModelCalibration(Callback):
             lines.append(_format_warmup(self.warmed_shapes, doc["warmup_seconds"]))
         rank_zero_info("CostModelCalibration\n" + "\n".join(lines))
         if callable(getattr(datamodule, "bucket_table", None)):
-            rank_zero_info(_format_bucket_table(datamodule.bucket_table()))
+            rank_zero_info("bucket table after calibration\n" + datamodule.bucket_table().format())
         metrics = {"calibration/points": float(len(doc["measurements"])),
                    "calibration/infeasible": float(sum(p["status"] in INFEASIBLE for p in self.points)),
                    "calibration/seconds": doc["seconds"], "calibration/trusted": float(self.trusted),
@@ -377,13 +377,3 @@ def _format_warmup(warmed: list[dict], seconds: float) -> str:
     if cold:
         line += f"; {cold} left cold ({sum(w['status'] == 'oom' for w in warmed)} out of memory)"
     return line
-
-
-def _format_bucket_table(rows: list[dict]) -> str:
-    lines = ["bucket table after calibration",
-             f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7}"]
-    for row in rows:
-        lines.append(f"{row['seq_len']:>8} {str(tuple(row['latent_shape'])):>18} {row['samples']:>8} "
-                     f"{row['batch_size']:>5} {row['batch_size'] * row['seq_len']:>7}")
-    return "\n".join(lines)
-

@@ -1,4 +1,6 @@
-"""`adaptiveload plan`: the bucket table of a shapes file under each policy, with predicted step times."""
+"""`adaptiveload plan`: the bucket table of a shapes file under a policy (batch size and predicted
+step time per bucket) and the epoch plan's summary for a world size (steps per epoch, samples
+scheduled, samples dropped per reason)."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +9,10 @@ import sys
 
 import numpy as np
 
+from lightning_adaptiveload.scheduling.buckets import BucketTable, schedule_keys
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
-from lightning_adaptiveload.scheduling.policies import batch_sizes
-from lightning_adaptiveload.scheduling.sampler import resolve_compute_budget
+from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 
 
@@ -35,66 +38,58 @@ def run_with_clear_errors(name: str, func, args: argparse.Namespace) -> int:
         return 2
 
 
-def bucket_table(mix: ShapeMix, cost_model, m_mem: int, m_comp: float | None = None,
-                 max_seq_len: int | None = None) -> dict:
-    """One row per distinct token count: tokens, samples, dropped (above max_seq_len), batch size
-    and predicted step time (ms) of one batch under each policy; plus m_mem, m_comp, p."""
-    max_seq_len = m_mem if max_seq_len is None else max_seq_len
-    if m_mem < 1 or max_seq_len < 1:
-        raise ValueError(f"m_mem and max_seq_len must be >= 1 token, got {m_mem} and {max_seq_len}")
-    tokens, inverse = np.unique(mix.tokens, return_inverse=True)
-    samples = np.bincount(inverse.reshape(-1), weights=mix.counts).astype(np.int64)
-    scheduled = tokens <= max_seq_len
-    if not scheduled.any():
-        raise ValueError(f"every shape is longer than max_seq_len={max_seq_len} tokens")
-    m_comp, p = resolve_compute_budget("dual_constraint", m_mem, int(tokens[scheduled].max()), m_comp,
-                                       cost_model=cost_model)
-    rows = []
-    b_tok = batch_sizes(tokens, "token_equal", m_mem)
-    b_dual = batch_sizes(tokens, "dual_constraint", m_mem, m_comp, p)
-    for i, s in enumerate(tokens.tolist()):
-        ok = bool(scheduled[i])
-        rows.append({
-            "tokens": s, "samples": int(samples[i]), "dropped": 0 if ok else int(samples[i]),
-            "batch_size": {"token_equal": int(b_tok[i]) if ok else None,
-                           "dual_constraint": int(b_dual[i]) if ok else None,
-                           "balanced": int(b_dual[i]) if ok else None},
-            "step_ms": {"token_equal": float(cost_model.predict(b_tok[i], s)) if ok else None,
-                        "dual_constraint": float(cost_model.predict(b_dual[i], s)) if ok else None,
-                        "balanced": float(cost_model.predict(b_dual[i], s)) if ok else None},
-        })
-    return {"m_mem": int(m_mem), "m_comp": m_comp, "p": p, "max_seq_len": int(max_seq_len),
-            "samples": int(samples.sum()), "dropped_oversize": int(samples[~scheduled].sum()), "buckets": rows}
+def plan_summary(mix: ShapeMix, cost_model, *, policy: str, m_mem: int, m_comp: float | None = None,
+                 max_seq_len: int | None = None, world_size: int = 1, seed: int = 0, drop_last: bool = True
+                 ) -> tuple[BucketTable, dict]:
+    """(bucket table, epoch-0 plan stats) of the mix expanded to one entry per sample, planned for
+    `world_size` ranks as the DataModule does: rows above max_seq_len never reach the sampler
+    (counted here as dropped_oversize), the rest are scheduled at their bucket keys."""
+    table = BucketTable.build(mix.tokens, mix.counts, mix.latent_thw, policy=policy, m_mem=m_mem, m_comp=m_comp,
+                              cost_model=cost_model, max_seq_len=max_seq_len)
+    fits = mix.tokens <= table.max_seq_len
+    keys = schedule_keys(mix.latent_thw[fits], mix.tokens[fits])
+    sampler = BucketBatchSampler(np.repeat(keys, mix.counts[fits]), policy=policy, m_mem=m_mem, m_comp=table.m_comp,
+                                 p=table.p, cost_model=cost_model, num_replicas=world_size, rank=0, seed=seed,
+                                 drop_last=drop_last, max_seq_len=int(keys.max()))
+    oversize = int(mix.counts[~fits].sum())
+    stats = dict(sampler.plan().stats)
+    stats["samples_total"] += oversize
+    stats["dropped_oversize"] += oversize
+    return table, stats
 
 
-def format_table(table: dict, cost_model) -> str:
-    lines = [
+def format_summary(table: BucketTable, stats: dict, cost_model, seed: int, drop_last: bool) -> str:
+    dropped = ", ".join(f"{key.removeprefix('dropped_')} {stats[key]}"
+                        for key in ("dropped_oversize", "dropped_partial_batch", "dropped_step_remainder"))
+    return "\n".join([
         f"cost model: {cost_model!r}",
-        f"m_mem={table['m_mem']} tokens, m_comp={table['m_comp']:.4g} tokens^p, p={table['p']:.4g}, "
-        f"max_seq_len={table['max_seq_len']} tokens ('balanced' uses the dual_constraint batch sizes)",
-        f"{'tokens':>8} {'samples':>8} {'dropped':>8} {'B tok_eq':>8} {'B dual':>7} "
-        f"{'ms tok_eq':>10} {'ms dual':>9}",
-    ]
-    for row in table["buckets"]:
-        b, t = row["batch_size"], row["step_ms"]
-        if b["token_equal"] is None:
-            lines.append(f"{row['tokens']:>8} {row['samples']:>8} {row['dropped']:>8} {'-':>8} {'-':>7} {'-':>10} {'-':>9}")
-        else:
-            lines.append(f"{row['tokens']:>8} {row['samples']:>8} {row['dropped']:>8} {b['token_equal']:>8} "
-                         f"{b['dual_constraint']:>7} {t['token_equal']:>10.1f} {t['dual_constraint']:>9.1f}")
-    lines.append(f"{table['samples']} samples, {table['dropped_oversize']} dropped as longer than max_seq_len")
-    return "\n".join(lines)
+        table.format(),
+        f"epoch plan on {stats['world_size']} rank(s) (seed {seed}, drop_last={drop_last}): "
+        f"{stats['steps']} steps per epoch, {stats['samples_scheduled']} of {stats['samples_total']} samples "
+        f"scheduled; dropped: {dropped}",
+    ])
 
 
 def _run(args: argparse.Namespace) -> int:
     mix = read_shapes_jsonl(args.shapes)
     cost_model = load_cost_model(args.cost_model)
-    table = bucket_table(mix, cost_model, args.m_mem, args.m_comp, args.max_seq_len)
-    print(json.dumps(table) if args.json else format_table(table, cost_model))
+    table, stats = plan_summary(mix, cost_model, policy=args.policy, m_mem=args.m_mem, m_comp=args.m_comp,
+                                max_seq_len=args.max_seq_len, world_size=args.world_size, seed=args.seed,
+                                drop_last=args.drop_last)
+    if args.json:
+        print(json.dumps({"cost_model": repr(cost_model), "bucket_table": table.to_dict(), "epoch_plan": stats}))
+    else:
+        print(format_summary(table, stats, cost_model, args.seed, args.drop_last))
     return 0
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="bucket table: batch size and predicted step time per policy")
+    parser = subparsers.add_parser("plan", help="bucket table and epoch plan: batch sizes, predicted step times, "
+                                                "steps per epoch and samples dropped")
     add_planning_args(parser)
+    parser.add_argument("--policy", choices=POLICIES, default="balanced")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the epoch plan")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=True,
+                        help="drop partial batches and the batches that cannot fill a last step (default)")
     parser.set_defaults(func=lambda args: run_with_clear_errors("plan", _run, args))

@@ -1,192 +1,47 @@
 """AdaptiveLoadDataModule: batches of video latents from WebDataset shards, sized per bucket by a
 batch-size policy, the same number of batches on every rank.
 
-Two paths:
-- map-style (`index` given): every sample's shape is known from the index; the
-  `BucketBatchSampler` plans each epoch globally (balanced across ranks, resumable mid-epoch)
-  and samples are read by byte offset from the tars.
-- streaming (no index): a webdataset pipeline per DataLoader worker over explicitly split,
-  endlessly re-shuffled shards, bucketed on the fly by the streaming stage, with a fixed
-  `steps_per_epoch`.
+The DataModule holds the configuration (its constructor arguments are LightningCLI's YAML keys),
+the scheduling budgets and cost model, and the skip counts; the data itself comes from one of two
+sources, chosen at setup:
+- `MapStyleSource` (data/map_style.py, `index` given): every sample's shape is known from the
+  index; the `BucketBatchSampler` plans each epoch globally (balanced across ranks, resumable
+  mid-epoch) and samples are read by byte offset from the tars.
+- `StreamingSource` (data/webdataset_stream.py, no index): a webdataset pipeline per DataLoader
+  worker over explicitly split, endlessly re-shuffled shards, bucketed on the fly by the
+  streaming stage, with a fixed `steps_per_epoch`.
 
 Batch dict (see docs/data.md): latents (B, C, T, H, W) float32, text (B, L, D_text) float32,
 seq_len int (tokens per sample), latent_shape (T, H, W), keys list[str].
 """
 from __future__ import annotations
 
-import functools
 import logging
-import os
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
 
+from lightning_adaptiveload._distributed import world_size_and_rank
+from lightning_adaptiveload._validation import require_choice, require_int
+from lightning_adaptiveload.data.index import build_index
+from lightning_adaptiveload.data.map_style import MapStyleSource
+from lightning_adaptiveload.data.shards import SKIPPED_KEY, resolve_shards, shape_for_tokens, write_synthetic_shards
+from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
+from lightning_adaptiveload.data.webdataset_stream import StreamingSource
+from lightning_adaptiveload.scheduling.buckets import OVERSIZE, BucketTable, schedule_keys
 from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
-from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index, read_members, scan_shard
-from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config,
-                                                decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
-                                                resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
-from lightning_adaptiveload.data.webdataset_stream import StreamingLatentDataset
-from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
-from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, resolve_compute_budget
+from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
-from lightning_adaptiveload.scheduling.stream_batcher import make_stream_plan
 
 log = logging.getLogger(__name__)
 
 REFERENCE_MIX = str(Path(__file__).with_name("reference_mix.jsonl"))
-PROBE_SAMPLES = 256  # streaming without a shapes file: valid samples read at setup to learn the mix
 
-
-# --- scheduling keys -------------------------------------------------------------------------
-
-def schedule_keys(shapes: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """(N,) int64 token count each sample is scheduled at. The sampler buckets by token count, but
-    a batch must hold one latent shape: where distinct shapes share a token count (480x832 and
-    832x480), all but the first (sorted by tokens, T, H, W) get the next free count above, so each
-    bucket is one shape. Batch sizes computed at a count >= the true tokens stay memory-safe."""
-    distinct, inverse = np.unique(np.column_stack([tokens, shapes]), axis=0, return_inverse=True)
-    keys = distinct[:, 0].copy()
-    for i in range(1, len(keys)):
-        keys[i] = max(keys[i], keys[i - 1] + 1)
-    return keys[inverse.reshape(-1)]
-
-
-# --- map-style dataset and collation ------------------------------------------------------------
-
-class IndexedShardDataset(Dataset):
-    """Samples of an index, read by byte offset. Item i is a decoded sample dict, or
-    {"key", "skip": reason} when it fails to read or decode (counted by the collate function)."""
-
-    def __init__(self, index: SampleIndex, decode_kwargs: dict):
-        self.index = index
-        self.decode_kwargs = decode_kwargs
-        self._fds: OrderedDict[str, int] = OrderedDict()  # opened lazily: each DataLoader worker has its own
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getstate__(self) -> dict:
-        # Spawned/forkserver DataLoader workers get a pickled copy: descriptor numbers opened here
-        # would name other files (or none) there, so the copy starts with no open shards.
-        return {**self.__dict__, "_fds": OrderedDict()}
-
-    def __getitem__(self, i: int) -> dict:
-        key = self.index.key(i)
-        try:
-            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i))
-            return decode_sample(key, files, **self.decode_kwargs)
-        except BadSample as e:
-            return {"key": key, "skip": e.reason, "detail": str(e)}
-
-
-def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
-    """Batch dict of decoded samples, written straight into float32 batch tensors; skip markers
-    become batch["skipped"] (reason -> count). Samples whose shape differs from the batch's most
-    common one (two unplanned shapes with equal tokens in one streaming bucket) are skipped as
-    "shape_collision". Raises if no sample of the batch survived."""
-    good = [s for s in samples if "skip" not in s]
-    skipped = Counter(s["skip"] for s in samples if "skip" in s)
-    if not good:
-        details = "; ".join(s["detail"] for s in samples[:3])
-        raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
-                           f"indexing? Re-run `adaptiveload index`.")
-    shape = Counter(s["latent_shape"] for s in good).most_common(1)[0][0]  # ties: the first sample's
-    skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
-    good = [s for s in good if s["latent_shape"] == shape]
-    latents = torch.empty(len(good), *good[0]["latent"].shape)
-    text = torch.empty(len(good), text_len, text_dim)
-    for i, sample in enumerate(good):
-        latents[i].copy_(sample["latent"])
-        write_text(text[i], sample)
-    return {
-        "latents": latents,
-        "text": text,
-        "seq_len": int(good[0]["seq_len"]),
-        "latent_shape": tuple(shape),
-        "keys": [s["key"] for s in good],
-        SKIPPED_KEY: {k: v for k, v in skipped.items() if v},
-    }
-
-
-def _as_is(batch):
-    return batch
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that Lightning checkpoints (it has state_dict / load_state_dict) and that moves
-    its data to the trainer's epoch when iteration starts (Lightning calls set_epoch only on a
-    loader's `sampler`, not on a custom batch sampler or an iterable dataset).
-
-    Map-style: the state is the BucketBatchSampler's, with the step count of batches this loader
-    handed out (not those its sampler dispatched to workers ahead of time), so a resume neither
-    repeats nor skips a sample. Streaming: the state is (epoch, steps done); a resume runs the
-    remaining steps of the epoch from a fresh position of the (resampled) stream."""
-
-    def __init__(self, *args, epoch_fn=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.epoch_fn = epoch_fn
-        self.steps_taken = 0
-
-    @property
-    def streaming(self) -> bool:
-        return isinstance(self.dataset, StreamingLatentDataset)
-
-    def _start_epoch(self) -> int:
-        """Move to the trainer's epoch if it changed; returns the steps of this epoch already taken."""
-        epoch = self.epoch_fn() if self.epoch_fn is not None else None
-        if self.streaming:
-            data = self.dataset
-            if epoch is not None and epoch != data.epoch:
-                data.epoch, data.steps_done = epoch, 0
-            elif data.steps_done >= data.steps_per_epoch:
-                data.steps_done = 0
-            return data.steps_done
-        sampler = self.batch_sampler
-        if epoch is not None and epoch != sampler.epoch:
-            sampler.set_epoch(epoch)
-        return len(sampler.plan().steps) - len(sampler)
-
-    def __iter__(self):
-        self.steps_taken = self._start_epoch()
-        for batch in super().__iter__():
-            self.steps_taken += 1
-            yield batch
-        if self.streaming:
-            self.dataset.steps_done = 0
-
-    def __len__(self) -> int:
-        """Steps of the whole epoch, also after a resume (Lightning reads the length after
-        restoring the state and counts the restored steps towards it)."""
-        if self.streaming:
-            return self.dataset.steps_per_epoch
-        earlier = sum(k for _, k in self.batch_sampler.state_dict()["segments"][:-1])
-        return earlier + len(self.batch_sampler.plan().steps)
-
-    def state_dict(self) -> dict:
-        if self.streaming:
-            return {"streaming": True, "epoch": self.dataset.epoch, "steps_done": self.steps_taken,
-                    "steps_per_epoch": self.dataset.steps_per_epoch}
-        return self.batch_sampler.state_dict(steps_consumed=self.steps_taken)
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.streaming != bool(state.get("streaming")):
-            raise ValueError("loader state was saved by the other data path (map-style vs streaming)")
-        if not self.streaming:
-            self.batch_sampler.load_state_dict(state)
-            return
-        if state["steps_per_epoch"] != self.dataset.steps_per_epoch:
-            raise ValueError(f"loader state has steps_per_epoch {state['steps_per_epoch']}, "
-                             f"this run {self.dataset.steps_per_epoch}")
-        self.dataset.epoch, self.dataset.steps_done = int(state["epoch"]), int(state["steps_done"])
-
-
-# --- the DataModule -----------------------------------------------------------------------------
 
 class AdaptiveLoadDataModule(L.LightningDataModule):
     """Bucketed latent batches from tar shards for video DiT training.
@@ -216,6 +71,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         synthesize_latent_scale: latent H, W scale of synthesized samples (small for CPU demos).
         index_cache: load the index from its binary cache `<index>.npz` when that was made from the
             index's current bytes, and (re)write it after a parse; False: always parse, write nothing.
+        drop_last: map-style: drop each bucket's last partial batch and the batches that cannot fill
+            a last step (True), or keep every sample, in smaller batches, with the same number of
+            steps on every rank (False). The streaming path never drops a partial batch.
     """
 
     def __init__(self, shards: str | list[str], index: str | None = None, policy: str = "balanced",
@@ -227,11 +85,10 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  shuffle_buffer: int = 64, max_buffer_samples: int = 4096, max_buffer_bytes: int = 1 << 30,
                  shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0,
-                 index_cache: bool = True):
+                 index_cache: bool = True, drop_last: bool = True):
         super().__init__()
-        check_policy(policy)
-        if oversize not in ("drop", "resize"):
-            raise ValueError(f"oversize must be 'drop' or 'resize', got {oversize!r}")
+        require_choice("policy", policy, POLICIES)
+        require_choice("oversize", oversize, OVERSIZE)
         for name, value in (("m_mem", m_mem), ("latent_channels", latent_channels), ("text_len", text_len),
                             ("text_dim", text_dim)):
             require_int(name, value)
@@ -247,13 +104,13 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.max_buffer_samples, self.max_buffer_bytes = max_buffer_samples, max_buffer_bytes
         self.synthesize, self.synthesize_shapes = synthesize, synthesize_shapes
         self.synthesize_latent_scale = synthesize_latent_scale
-        self.index_cache = index_cache
+        self.index_cache, self.drop_last = index_cache, bool(drop_last)
         self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
-        self.skipped: Counter = Counter()
-        self.dataset: IndexedShardDataset | None = None
-        self._keys = None  # map-style: (N,) scheduled token count per indexed sample
-        self._key_shape: dict[int, tuple[int, int, int]] = {}  # scheduled count -> latent (T, H, W)
-        self._key_count: dict[int, int] = {}  # scheduled count -> samples (index) or weight (shapes mix)
+        self.skipped: Counter = Counter()  # reason -> samples skipped on this rank, setup and stream
+        self.source: MapStyleSource | StreamingSource | None = None
+        self.mix: ShapeMix | None = None  # the shapes found at setup, one row per distinct shape
+        self._key_shape: dict[int, tuple[int, int, int]] = {}  # scheduled token count -> latent (T, H, W)
+        self._train_loader: TrainLoader | None = None
 
     # -- data preparation and setup --
 
@@ -273,123 +130,33 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             build_index(resolve_shards(str(folder)), self.index_path, self.spec)
 
     def setup(self, stage: str | None = None) -> None:
-        """Resolve shards (clear error if missing), read the index and check every row against
-        this configuration (failures counted in `skipped`), build the shape table. Runs once."""
-        if self._key_shape:
+        """Resolve shards (clear error if missing), pick the source (map-style with an index, else
+        streaming) and let it find the shapes (index rows checked against this configuration,
+        failures counted in `skipped`). Runs once."""
+        if self.source is not None:
             return
-        self.shard_paths = resolve_shards(self.shards)
+        shard_paths = resolve_shards(self.shards)
+        config = SampleConfig(self.spec, self.latent_channels, self.text_len, self.text_dim, self.max_seq_len,
+                              self.oversize)
         if self.index_path:
-            self._setup_indexed()
+            source = MapStyleSource(self.index_path, shard_paths, config, num_workers=self.num_workers,
+                                    seed=self.seed, drop_last=self.drop_last, index_cache=self.index_cache)
         else:
-            self._setup_streaming()
-
-    def _set_table(self, shapes: np.ndarray, tokens: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Scheduling keys of (n, 3) shapes with (n,) tokens; fills the bucket table; returns keys."""
-        keys = schedule_keys(shapes, tokens)
-        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        counts = np.bincount(inverse.reshape(-1), weights=weights, minlength=len(distinct))
-        self._key_shape = {int(k): tuple(int(v) for v in shapes[i]) for k, i in zip(distinct, first)}
-        self._key_count = {int(k): int(c) for k, c in zip(distinct, counts)}
-        return keys
-
-    def _setup_indexed(self) -> None:
-        index = read_index(self.index_path, cache=self.index_cache)
-        if not len(index):
-            raise ValueError(f"index {self.index_path!r} lists no samples")
-        # realpath on both sides: the index resolves symlinks (its folder's), `shards` may not.
-        known = {os.path.realpath(p) for p in self.shard_paths}
-        foreign = np.flatnonzero([os.path.realpath(p) not in known for p in index.shard_paths])
-        if len(foreign):
-            raise ValueError(f"index {self.index_path!r} refers to {int(np.isin(index.shard, foreign).sum())} "
-                             f"samples in shards outside `shards`, e.g. {index.shard_paths[foreign[0]]!r}")
-        # The checks depend only on (C, T, H, W, D_text): run them once per distinct combination.
-        combos, first, combo_of = np.unique(
-            np.column_stack([index.channels, index.latent_shape, index.text_shape[:, 1]]), axis=0,
-            return_index=True, return_inverse=True)
-        combo_of = combo_of.reshape(-1)
-        combo_size = np.bincount(combo_of, minlength=len(combos))
-        fits = np.zeros(len(combos), dtype=bool)
-        combo_thw, combo_tokens = np.zeros((len(combos), 3), np.int64), np.zeros(len(combos), np.int64)
-        skipped = Counter()
-        for c, (channels, t, h, w, text_dim) in enumerate(combos.tolist()):
-            try:
-                combo_thw[c], combo_tokens[c] = check_config(index.key(first[c]), channels, (t, h, w),
-                                                             None if text_dim < 0 else text_dim, **self._check_kwargs())
-                fits[c] = True
-            except BadSample as e:
-                skipped[e.reason] += int(combo_size[c])
-        self._count_skipped(skipped, where=f"index {self.index_path}")
-        kept = np.flatnonzero(fits[combo_of])
-        if not len(kept):
-            raise ValueError(f"no sample of index {self.index_path!r} fits this configuration "
-                             f"(skipped: {dict(skipped)})")
-        self._keys = self._set_table(combo_thw[combo_of[kept]], combo_tokens[combo_of[kept]],
-                                     np.ones(len(kept), dtype=np.int64))
-        if len(kept) < len(index):
-            index = index.take(kept)
-        self.dataset = IndexedShardDataset(index, self._decode_kwargs())
-
-    def _setup_streaming(self) -> None:
-        require_int("steps_per_epoch (needed on the streaming path, without an index)", self.steps_per_epoch)
-        mix_file = self.shapes or self.synthesize_shapes
-        probed, probe_skipped = self._probe(1 if mix_file else PROBE_SAMPLES)
-        if not probed:
-            raise ValueError(f"no valid sample in the {len(self.shard_paths)} shards of {self.shards!r} for this "
-                             f"configuration (skipped: {dict(probe_skipped)})")
-        if mix_file:
-            mix = read_shapes_jsonl(mix_file, self.spec)
-            scale = self.synthesize_latent_scale if not self.shapes else 1.0
-            rows = []
-            for thw, count in zip(mix_latent_shapes(mix, self.spec, scale), mix.counts):
-                try:
-                    thw, tokens = check_config("shapes mix", self.latent_channels, tuple(int(v) for v in thw), None,
-                                               **self._check_kwargs())
-                except BadSample:
-                    continue
-                rows.append((*thw, tokens, int(count)))
-            if not rows:
-                raise ValueError(f"no shape of {mix_file!r} fits max_seq_len={self.max_seq_len}")
-        else:
-            rows = [(*thw, tokens, n) for (thw, tokens), n in Counter(probed).items()]
-        rows = np.asarray(rows, dtype=np.int64)
-        self._set_table(rows[:, :3], rows[:, 3], rows[:, 4])
-
-    def _probe(self, limit: int) -> tuple[list, Counter]:
-        """Up to `limit` (latent (T, H, W), tokens) of valid samples from the first shards, and skip
-        counts. Samples are decoded in full until one passes; after that only their JSON is read
-        (the shapes estimate the mix; the stream validates every sample anyway)."""
-        found, skipped = [], Counter()
-        for shard in self.shard_paths:
-            for key, spans, files, error in scan_shard(shard, read={"json"} if found else None):
-                try:
-                    if error is not None:
-                        raise error
-                    if found:
-                        if not any(s in spans for s in LATENT_SUFFIXES):
-                            raise BadSample("missing_latent", key)
-                        thw = tuple(decode_meta(files.get("json"), key)["latent_shape"])
-                        found.append(check_config(key, self.latent_channels, thw, None, **self._check_kwargs()))
-                    else:
-                        _, latent, text = inspect_sample(key, files)
-                        found.append(check_config(key, latent.shape[0], tuple(latent.shape[1:]),
-                                                  None if text is None else text.shape[1], **self._check_kwargs()))
-                except BadSample as e:
-                    skipped[e.reason] += 1
-                if len(found) >= limit:
-                    return found, skipped
-        return found, skipped
-
-    def _check_kwargs(self) -> dict:
-        return {"spec": self.spec, "latent_channels": self.latent_channels, "text_dim": self.text_dim,
-                "max_seq_len": self.max_seq_len, "oversize": self.oversize}
-
-    def _collate(self):
-        return functools.partial(collate_samples, text_len=self.text_len, text_dim=self.text_dim)
-
-    def _decode_kwargs(self) -> dict:
-        return {**self._check_kwargs(), "text_len": self.text_len}
+            source = StreamingSource(shard_paths, config, steps_per_epoch=self.steps_per_epoch,
+                                     mix_file=self.shapes or self.synthesize_shapes,
+                                     mix_scale=1.0 if self.shapes else self.synthesize_latent_scale,
+                                     num_workers=self.num_workers, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
+                                     max_buffer_samples=self.max_buffer_samples, max_buffer_bytes=self.max_buffer_bytes)
+        self.mix = source.setup(self._count_skipped)
+        keys = schedule_keys(self.mix.latent_thw, self.mix.tokens)
+        self._key_shape = {int(k): tuple(int(v) for v in thw) for k, thw in zip(keys, self.mix.latent_thw)}
+        self.source = source
 
     # -- bucket table, cost model --
+
+    def _scheduling(self) -> dict:
+        return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
+                "cost_model": self.cost_model}
 
     def bucket_seq_lens(self) -> np.ndarray:
         """(K,) int64 distinct scheduled token counts, ascending (after setup)."""
@@ -397,16 +164,13 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             raise RuntimeError("bucket_seq_lens() needs setup() first (and an index or a shapes mix)")
         return np.asarray(sorted(self._key_shape), dtype=np.int64)
 
-    def bucket_table(self) -> list[dict]:
-        """One row per bucket: seq_len (scheduled tokens), latent_shape, samples (in the index; on
-        the streaming path the shapes mix's count or probed samples), batch_size under the current
-        policy, cost model and m_mem."""
-        seq_lens = self.bucket_seq_lens()
-        m_comp, p = resolve_compute_budget(self.policy, self.m_mem, int(seq_lens[-1]), self.m_comp, self.p,
-                                           self.cost_model)
-        sizes = batch_sizes(seq_lens, self.policy, self.m_mem, m_comp, p)
-        return [{"seq_len": int(s), "latent_shape": self._key_shape[int(s)], "samples": self._key_count[int(s)],
-                 "batch_size": int(b)} for s, b in zip(seq_lens, sizes)]
+    def bucket_table(self) -> BucketTable:
+        """The buckets under the current policy, cost model and m_mem (after setup): samples are the
+        index's (map-style) or the shapes mix's weights or probed samples (streaming)."""
+        if self.mix is None:
+            raise RuntimeError("bucket_table() needs setup() first")
+        return BucketTable.build(self.mix.tokens, self.mix.counts, self.mix.latent_thw, **self._scheduling(),
+                                 max_seq_len=self.max_seq_len)
 
     def set_cost_model(self, cost_model: CostModel | None, m_mem: int | None = None, policy: str | None = None) -> None:
         """Use `cost_model` (and `m_mem`, tokens; `policy`) for batch sizes from now on; call before
@@ -418,7 +182,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             raise ValueError(f"policy {self.policy!r} needs a cost model (or m_comp and p)")
         self.cost_model = cost_model
         if m_mem is not None:
-            self.m_mem = int(m_mem)
+            self.m_mem = require_int("m_mem", m_mem)
         if self._key_shape and max(self._key_shape) > self.m_mem:
             # Samples were admitted at setup under max_seq_len; the new memory budget is lower.
             log.warning("adaptiveload data: m_mem is now %d tokens but buckets up to %d tokens are scheduled "
@@ -460,66 +224,44 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
 
     def build_sampler(self, num_replicas: int | None = None, rank: int | None = None) -> BucketBatchSampler:
         """The map-style batch sampler for the current configuration and cost model."""
-        if self._keys is None:
+        if not isinstance(self.source, MapStyleSource):
             raise RuntimeError("build_sampler() needs setup() with an index first")
-        return BucketBatchSampler(self._keys, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
-                                  cost_model=self.cost_model, num_replicas=num_replicas, rank=rank,
-                                  seed=self.seed, max_seq_len=int(self._keys.max()))
-
-    def build_stream_dataset(self, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
-        """The streaming dataset of one rank for the current configuration and cost model."""
-        seq_lens = self.bucket_seq_lens()
-        mix = ShapeMix(tokens=seq_lens, counts=np.array([self._key_count[int(k)] for k in seq_lens]),
-                       latent_thw=np.array([self._key_shape[int(k)] for k in seq_lens]))
-        # True tokens are checked against max_seq_len when decoding; keys may sit above it by at
-        # most the number of planned keys (collision offsets), which the batcher must accept.
-        plan = make_stream_plan(mix, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
-                                cost_model=self.cost_model,
-                                max_seq_len=max(self.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
-        keys = {shape: key for key, shape in self._key_shape.items()}
-        readers = num_replicas * max(1, self.num_workers)
-        per_reader, rest = divmod(len(self.shard_paths), readers)
-        if per_reader and rest:
-            # Every reader yields the same number of batches, so a shorter slice is cycled faster.
-            log.warning("adaptiveload data: %d shards over %d readers (ranks x workers): %d readers stream %d "
-                        "shards and read each %.0f%% more often than the others' %d; use a multiple of %d shards "
-                        "for an unbiased mix", len(self.shard_paths), readers, readers - rest, per_reader,
-                        100 / per_reader, per_reader + 1, readers)
-        return StreamingLatentDataset(self.shard_paths, plan, keys=keys, decode_kwargs=self._decode_kwargs(),
-                                      collate=self._collate(), steps_per_epoch=self.steps_per_epoch, rank=rank,
-                                      world_size=num_replicas, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
-                                      max_buffer_samples=self.max_buffer_samples,
-                                      max_buffer_bytes=self.max_buffer_bytes)
+        return self.source.sampler(self._scheduling(), num_replicas, rank)
 
     def build_train_loader(self, num_replicas: int | None = None, rank: int | None = None,
-                           epoch_fn: Callable[[], int] | None = None) -> ResumableLoader:
+                           epoch_fn: Callable[[], int] | None = None) -> TrainLoader:
         """The train loader of `rank` out of `num_replicas` (default: torch.distributed's, else
-        1 and 0), either path. `epoch_fn() -> int` moves it to a new epoch on each iteration."""
-        common = dict(num_workers=self.num_workers, pin_memory=torch.cuda.is_available(), epoch_fn=epoch_fn)
-        if self.dataset is not None:
-            return ResumableLoader(self.dataset, batch_sampler=self.build_sampler(num_replicas, rank),
-                                   collate_fn=self._collate(), persistent_workers=self.num_workers > 0, **common)
+        1 and 0), either source. `epoch_fn() -> int` moves it to a new epoch on each iteration."""
+        if self.source is None:
+            raise RuntimeError("build_train_loader() needs setup() first")
         if num_replicas is None or rank is None:
-            world = torch.distributed.is_available() and torch.distributed.is_initialized()
-            num_replicas = torch.distributed.get_world_size() if world else 1
-            rank = torch.distributed.get_rank() if world else 0
-        # Workers restart each epoch so they see the dataset's new epoch (a fork copies it). Batches
-        # come collated; the default conversion would turn latent_shape tuples into lists.
-        return ResumableLoader(self.build_stream_dataset(num_replicas, rank), batch_size=None,
-                               collate_fn=_as_is, **common)
+            num_replicas, rank = world_size_and_rank()
+        self._train_loader = self.source.train_loader(self._scheduling(), num_replicas, rank, epoch_fn)
+        return self._train_loader
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> TrainLoader:
         trainer = self.trainer
         if trainer is None:
             return self.build_train_loader()
-        map_style = self.dataset is not None
-        if map_style and trainer.world_size > 1 and trainer._accelerator_connector.use_distributed_sampler:
+        loader = self.build_train_loader(trainer.world_size, trainer.global_rank,
+                                         epoch_fn=lambda: self.trainer.current_epoch)
+        if isinstance(loader.batch_sampler, BucketBatchSampler) and trainer.world_size > 1 \
+                and trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("AdaptiveLoadDataModule plans batches for every rank itself: create the Trainer with "
                              "use_distributed_sampler=False")
-        return self.build_train_loader(trainer.world_size, trainer.global_rank,
-                                       epoch_fn=lambda: self.trainer.current_epoch)
+        return loader
 
-    # -- skip accounting --
+    # -- what is left out --
+
+    def counters(self) -> dict[str, int]:
+        """This epoch's samples left out on this rank's train loader ("dropped_oversize",
+        "dropped_partial_batch", "dropped_step_remainder"; 0 before the loader exists) and the
+        samples skipped as bad input so far on this rank ("skipped/<reason>"). docs/data.md
+        explains each counter."""
+        counts = self._train_loader.drop_counts() if self._train_loader is not None \
+            else dict.fromkeys(DROP_COUNTERS, 0)
+        counts.update({f"skipped/{reason}": int(n) for reason, n in sorted(self.skipped.items())})
+        return counts
 
     def _count_skipped(self, counts: dict, where: str) -> None:
         counts = {k: v for k, v in counts.items() if v}

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from lightning_adaptiveload.data.shards import MEMBER_SUFFIXES, BadSample, check_tokens, inspect_sample, is_int_list
 from lightning_adaptiveload._jsonl import iter_objects
-from lightning_adaptiveload.scheduling.sampler import ranges_to_positions
+from lightning_adaptiveload.scheduling.epoch_plan import ranges_to_positions
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 log = logging.getLogger(__name__)

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+from lightning_adaptiveload._validation import is_finite_number, require_choice, require_int, require_number
+
 FORMAT = "adaptiveload.cost_model"
 VERSION = 1
 FORMS = ("power", "linear_quadratic", "floor_work")  # "auto" prefers the earlier form on ties
@@ -184,8 +186,7 @@ class CostModel:
     """A fitted step-time model t(B, S) in ms. See the module docstring for the forms."""
 
     def __init__(self, form: str, params: dict, p: float, quality: dict, candidates: dict | None = None):
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        require_choice("form", form, FORMS)
         if set(params) != set(PARAM_NAMES[form]):
             raise ValueError(f"form {form!r} needs params {PARAM_NAMES[form]}, got {sorted(params)}")
         self.form = form
@@ -209,8 +210,7 @@ class CostModel:
         fold still has more points than parameters. The power form is always fitted too, to set p.
         """
         b, s, t = _check_measurements(batch_sizes, seq_lens, times_ms)
-        if form != "auto" and form not in FORMS:
-            raise ValueError(f"form must be 'auto' or one of {FORMS}, got {form!r}")
+        require_choice("form", form, ("auto", *FORMS))
         wanted = [f for f in FORMS if form in ("auto", f) or f == "power"]
         enough = [f for f in wanted if len(t) >= len(PARAM_NAMES[f]) + 2]
         if "power" not in enough or (form != "auto" and form not in enough):
@@ -250,10 +250,8 @@ class CostModel:
         bucket (no bucket gets more compute than the straggler), the compute bound therefore only
         bites as far as B_ref * S_ref falls short of m_mem (rounding of m_mem // S_ref); a shorter
         S_ref throttles every longer bucket to B * S^p <= M_comp (docs/cost_model.md)."""
-        for name, value in (("m_mem", m_mem), ("ref_seq_len", ref_seq_len)):
-            if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        b_ref = max(1, int(m_mem) // int(ref_seq_len))
+        m_mem, ref_seq_len = require_int("m_mem", m_mem), require_int("ref_seq_len", ref_seq_len)
+        b_ref = max(1, m_mem // ref_seq_len)
         # the slack keeps floor(M_comp / S_ref^p) == B_ref despite float rounding
         return b_ref * float(ref_seq_len) ** self.dual_p * (1.0 + 1e-9)
 
@@ -289,10 +287,6 @@ def _read_json(path) -> object:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _model_from_doc(doc, where: str) -> CostModel:
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
@@ -311,19 +305,17 @@ def _model_from_doc(doc, where: str) -> CostModel:
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(PARAM_NAMES[form])}, got {got}")
     for name, value in params.items():
-        if not _finite_number(value) or value < 0:
-            raise ValueError(f"{where}: params[{name!r}] must be a finite number >= 0, got {value!r}")
+        require_number(f"{where}: params[{name!r}]", value, minimum=0)
     if form == "floor_work" and not params["k"] >= 1:
         raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
-    if not _finite_number(doc["p"]) or doc["p"] <= 0:
-        raise ValueError(f"{where}: 'p' must be a finite number > 0, got {doc['p']!r}")
+    require_number(f"{where}: 'p'", doc["p"], positive=True)
     quality = doc["quality"]
     if not isinstance(quality, dict):
         raise ValueError(f"{where}: 'quality' must be an object, got {type(quality).__name__}")
     for key in QUALITY_KEYS:
         if key not in quality:
             raise ValueError(f"{where}: 'quality' is missing {key!r}")
-        if quality[key] is not None and not _finite_number(quality[key]):
+        if quality[key] is not None and not is_finite_number(quality[key]):
             raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {quality[key]!r}")
     quality = {k: (float("nan") if v is None else v) for k, v in quality.items()}
     return CostModel(form, params, doc["p"], quality)
@@ -343,9 +335,7 @@ def read_measurements(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for key in ("batch_size", "seq_len", "time_ms"):
             if key not in m:
                 raise ValueError(f"{path}: measurements[{i}] is missing {key!r}")
-            if not _finite_number(m[key]) or m[key] <= 0:
-                raise ValueError(f"{path}: measurements[{i}][{key!r}] must be a finite number > 0, got {m[key]!r}")
-            row.append(float(m[key]))
+            row.append(require_number(f"{path}: measurements[{i}][{key!r}]", m[key], positive=True))
         rows.append(row)
     b, s, t = np.asarray(rows, dtype=np.float64).T
     return b, s, t

@@ -1,4 +1,5 @@
-"""Batch size per bucket: the token-equal baseline and the paper's dual-constraint rule.
+"""Batch size per bucket: the token-equal baseline and the paper's dual-constraint rule, the
+compute budget they need, and the predicted cost of a batch.
 
 S is the bucket's tokens per sample. `m_mem` bounds B*S (memory, tokens), `m_comp` bounds
 B*S^p (compute, in units of tokens^p).
@@ -6,48 +7,25 @@ B*S^p (compute, in units of tokens^p).
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
+
+from lightning_adaptiveload._validation import require_choice, require_number
 
 POLICIES = ("token_equal", "dual_constraint", "balanced")
 
 
-def check_policy(policy: str) -> str:
-    """`policy`, or a ValueError listing POLICIES."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    return policy
-
-
-def require_int(name: str, value, minimum: int = 1) -> int:
-    """`value` as an int; a ValueError naming `name` unless it is a whole number >= minimum
-    (int, numpy integer or integral float; true/false are not numbers here)."""
-    whole = isinstance(value, numbers.Integral) or (
-        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
-    if isinstance(value, bool) or not whole or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_positive(name: str, value) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
 def token_equal_batch_size(seq_len: int, m_tokens: int) -> int:
     """Baseline: max(1, m_tokens // seq_len)."""
-    _check_positive("seq_len", seq_len)
-    _check_positive("m_tokens", m_tokens)
+    require_number("seq_len", seq_len, positive=True)
+    require_number("m_tokens", m_tokens, positive=True)
     return max(1, int(m_tokens) // int(seq_len))
 
 
 def dual_constraint_batch_size(seq_len: int, m_mem: int, m_comp: float, p: float) -> int:
     """AdaptiveLoad: max(1, min(m_mem // seq_len, floor(m_comp / seq_len**p)))."""
-    _check_positive("seq_len", seq_len)
-    _check_positive("m_mem", m_mem)
-    _check_positive("m_comp", m_comp)
-    _check_positive("p", p)
+    for name, value in (("seq_len", seq_len), ("m_mem", m_mem), ("m_comp", m_comp), ("p", p)):
+        require_number(name, value, positive=True)
     by_compute = math.floor(m_comp / float(seq_len) ** p)
     return max(1, min(int(m_mem) // int(seq_len), by_compute))
 
@@ -58,10 +36,35 @@ def batch_sizes(seq_lens: np.ndarray, policy: str, m_mem: int, m_comp: float | N
 
     token_equal uses m_mem as its token budget; dual_constraint and balanced need m_comp and p.
     """
-    check_policy(policy)
+    require_choice("policy", policy, POLICIES)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     if policy == "token_equal":
         return np.array([token_equal_batch_size(int(s), m_mem) for s in seq_lens], dtype=np.int64)
     if m_comp is None or p is None:
         raise ValueError(f"policy {policy!r} needs m_comp and p (give them, or a cost model to derive them)")
     return np.array([dual_constraint_batch_size(int(s), m_mem, m_comp, p) for s in seq_lens], dtype=np.int64)
+
+
+def resolve_compute_budget(policy: str, m_mem: int, longest_seq_len: int, m_comp: float | None = None,
+                           p: float | None = None, cost_model=None) -> tuple[float | None, float | None]:
+    """(m_comp, p) for `policy`: given values win; else from `cost_model` (its `.dual_p` and
+    `m_comp(m_mem, longest_seq_len)`, tokens of the longest bucket that is scheduled).
+    token_equal needs neither and gets (None, None)."""
+    if require_choice("policy", policy, POLICIES) == "token_equal":
+        return None, None
+    if p is None and cost_model is not None:
+        p = float(cost_model.dual_p)
+    if m_comp is None and cost_model is not None:
+        m_comp = float(cost_model.m_comp(int(m_mem), int(longest_seq_len)))
+    if m_comp is None or p is None:
+        raise ValueError(f"policy {policy!r} needs m_comp and p: pass them or a cost_model")
+    return float(m_comp), float(p)
+
+
+def batch_costs(batch_len: np.ndarray, batch_seq_len: np.ndarray, p: float | None, cost_model=None) -> np.ndarray:
+    """Predicted cost of each batch: cost_model.predict(B, S) in ms, or B * S^p (tokens^p) without one."""
+    if cost_model is not None:
+        return np.asarray(cost_model.predict(batch_len, batch_seq_len), dtype=np.float64)
+    if p is None:
+        raise ValueError("batch costs need p or a cost_model")
+    return batch_len.astype(np.float64) * batch_seq_len.astype(np.float64) ** p

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_adaptiveload._jsonl import iter_objects
+from lightning_adaptiveload._validation import require_int
 
 
 @dataclass(frozen=True)
@@ -25,13 +26,13 @@ class TokenSpec:
     extra_tokens: int = 0  # constant tokens joined to every sample (MMDiT text tokens)
 
     def __post_init__(self) -> None:
-        for name, value in (("vae_stride_t", self.vae_stride_t), ("vae_stride_s", self.vae_stride_s)):
-            if int(value) < 1:
-                raise ValueError(f"TokenSpec.{name} must be >= 1, got {value}")
-        if len(self.patch) != 3 or any(int(v) < 1 for v in self.patch):
+        require_int("TokenSpec.vae_stride_t", self.vae_stride_t)
+        require_int("TokenSpec.vae_stride_s", self.vae_stride_s)
+        if len(self.patch) != 3:
             raise ValueError(f"TokenSpec.patch must be three integers >= 1, got {self.patch}")
-        if int(self.extra_tokens) < 0:
-            raise ValueError(f"TokenSpec.extra_tokens must be >= 0, got {self.extra_tokens}")
+        for value in self.patch:
+            require_int("TokenSpec.patch entries", value)
+        require_int("TokenSpec.extra_tokens", self.extra_tokens, minimum=0)
 
     def latent_from_pixels(self, frames, height, width) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Latent (T, H, W) of pixel-space (frames, height, width): int64 arrays (0-d for ints)."""
@@ -73,14 +74,6 @@ class ShapeMix:
         return np.repeat(self.tokens, self.counts)
 
 
-def _positive_int(value, line_no: int, field: str, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ValueError(f"{path}:{line_no}: field '{field}' must be an integer, got {value!r}")
-    if int(value) < 1:
-        raise ValueError(f"{path}:{line_no}: field '{field}' must be >= 1, got {value!r}")
-    return int(value)
-
-
 def read_shapes_jsonl(path: str | Path, spec: TokenSpec = TokenSpec()) -> ShapeMix:
     """Read a shapes file: one JSON object a line, either {"frames", "height", "width"} in
     pixels, {"latent_t", "latent_h", "latent_w"} in latent space, or {"tokens"}; each with an
@@ -88,16 +81,20 @@ def read_shapes_jsonl(path: str | Path, spec: TokenSpec = TokenSpec()) -> ShapeM
     path = str(path)
     tokens, counts, thw = [], [], []
     for line_no, row in iter_objects(path):
-        count = _positive_int(row.get("count", 1), line_no, "count", path)
+        where = f"{path}:{line_no}"
+
+        def field(name: str, default=None) -> int:
+            return require_int(f"{where}: field '{name}'", row.get(name, default))
+
+        count = field("count", 1)
         if "tokens" in row:
-            s = _positive_int(row["tokens"], line_no, "tokens", path)
+            s = field("tokens")
             latent = (-1, -1, -1)
         elif {"frames", "height", "width"} <= row.keys():
-            f_, h_, w_ = (_positive_int(row[k], line_no, k, path) for k in ("frames", "height", "width"))
-            latent = tuple(int(v) for v in spec.latent_from_pixels(f_, h_, w_))
+            latent = tuple(int(v) for v in spec.latent_from_pixels(*(field(k) for k in ("frames", "height", "width"))))
             s = spec.tokens_from_latent(*latent)
         elif {"latent_t", "latent_h", "latent_w"} <= row.keys():
-            latent = tuple(_positive_int(row[k], line_no, k, path) for k in ("latent_t", "latent_h", "latent_w"))
+            latent = tuple(field(k) for k in ("latent_t", "latent_h", "latent_w"))
             s = spec.tokens_from_latent(*latent)
         else:
             raise ValueError(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from lightning_adaptiveload.scheduling.policies import require_int
+from lightning_adaptiveload._validation import require_int
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
-from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_plan
+from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_schedule
 
 
 def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) -> dict:
@@ -102,8 +102,8 @@ def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int
     mix (as from its own shards of a shuffled corpus) through a StreamingBucketBatcher with no
     communication. Returns step_metrics plus the stage's counts summed over ranks
     (fallback_batches, partial_batches, skipped_oversize) and the largest buffer any rank held."""
-    plan = make_stream_plan(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
-                            max_seq_len=max_seq_len, class_tolerance=class_tolerance)
+    plan = make_stream_schedule(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
+                                max_seq_len=max_seq_len, class_tolerance=class_tolerance)
     probs = mix.counts / mix.counts.sum()
     batch_len = np.zeros((steps, world_size), dtype=np.int64)
     batch_seq_len = np.zeros((steps, world_size), dtype=np.int64)

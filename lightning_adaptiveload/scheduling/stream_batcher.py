@@ -2,7 +2,9 @@
 they arrive.
 
 Samples (dicts with "seq_len", tokens) are buffered per bucket (one bucket per distinct token
-count) and emitted as batches whose size the policy gives. Buckets are grouped into equal-cost
+count) and emitted as batches whose size the policy gives. No epoch plan exists here (shapes are
+known only on arrival); what every rank agrees on beforehand is the `StreamSchedule`: batch sizes
+and the cost classes of the expected mix. Buckets are grouped into equal-cost
 classes: bins of the predicted batch cost (cost_model.predict(B, S) ms, or B*S^p) whose width is
 a factor (1 + class_tolerance). With policy "balanced" every rank follows the same shared-seed
 schedule of classes, so at step t all ranks run batches of nearly equal predicted cost without
@@ -16,6 +18,9 @@ When the scheduled class cannot be filled, the stage reads more samples until th
 yields the same number of batches; the input must not run dry (use resampled shards or
 `.repeat()`), else a RuntimeError says so. Samples without a valid "seq_len", or longer than
 max_seq_len, are skipped, counted in `stats` and logged.
+
+Tensor-free: the caller passes its DataLoader worker id and count, and, for a byte bound on the
+buffer, a function giving a sample's bytes (data/webdataset_stream.py does both).
 """
 from __future__ import annotations
 
@@ -26,10 +31,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
-import torch
 
-from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
-from lightning_adaptiveload.scheduling.sampler import batch_costs, resolve_compute_budget
+from lightning_adaptiveload._validation import require_int, require_number
+from lightning_adaptiveload.scheduling.buckets import BucketTable
+from lightning_adaptiveload.scheduling.policies import batch_costs, batch_sizes
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
 
 log = logging.getLogger(__name__)
@@ -37,8 +42,10 @@ SCHEDULE_BLOCK = 256  # steps per schedule block; class frequencies are exact wi
 
 
 @dataclass(frozen=True)
-class StreamPlan:
-    """What every rank agrees on before streaming. Costs are cost_model ms, or B*S^p without one.
+class StreamSchedule:
+    """What every rank agrees on before streaming: the policy's batch sizes and the cost classes
+    the shared per-step class schedule (`class_schedule`) draws from. Costs are cost_model ms, or
+    B*S^p without one.
 
     class_prob: (n_classes,) fraction of steps scheduled on each cost class (expected batches of
     the mix); cost_min: cost at the lower edge of class 0; log_width: log(1 + class_tolerance).
@@ -58,42 +65,38 @@ class StreamPlan:
         return int(batch_sizes(np.array([seq_len]), self.policy, self.m_mem, self.m_comp, self.p)[0])
 
     def batch_class(self, seq_len: int) -> int:
-        """Cost class of a full batch of `seq_len` tokens (clipped to the planned classes)."""
+        """Cost class of a full batch of `seq_len` tokens (clipped to the schedule's classes)."""
         cost = float(batch_costs(np.array([self.batch_size(seq_len)]), np.array([seq_len]), self.p, self.cost_model)[0])
         c = math.floor(math.log(max(cost, self.cost_min) / self.cost_min) / self.log_width)
         return min(c, len(self.class_prob) - 1)
 
 
-def make_stream_plan(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
-                     cost_model=None, max_seq_len: int | None = None, class_tolerance: float = 0.1) -> StreamPlan:
-    """Plan from the expected shape mix (e.g. the dataset index or a shapes file)."""
-    if not class_tolerance > 0:
-        raise ValueError(f"class_tolerance must be > 0, got {class_tolerance!r}")
-    max_seq_len = int(m_mem) if max_seq_len is None else int(max_seq_len)
-    keep = mix.tokens <= max_seq_len
-    if not keep.any():
-        raise ValueError(f"every shape of the mix is longer than max_seq_len={max_seq_len} tokens")
-    tokens, counts = mix.tokens[keep], mix.counts[keep]
-    m_comp, p = resolve_compute_budget(policy, m_mem, int(tokens.max()), m_comp, p, cost_model)
-    if p is None:  # token_equal: classes still need a cost; use the cost model's exponent or attention-free 1
-        p = float(cost_model.p) if cost_model is not None else 1.0
-    b = batch_sizes(tokens, policy, m_mem, m_comp, p)
-    costs = batch_costs(b, tokens, p, cost_model)
+def make_stream_schedule(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | None = None,
+                         p: float | None = None, cost_model=None, max_seq_len: int | None = None,
+                         class_tolerance: float = 0.1) -> StreamSchedule:
+    """The schedule of the expected shape mix (e.g. the dataset index or a shapes file), by token
+    count: its buckets are the BucketTable of the mix's tokens and counts."""
+    class_tolerance = require_number("class_tolerance", class_tolerance, positive=True)
+    table = BucketTable.build(mix.tokens, mix.counts, policy=policy, m_mem=m_mem, m_comp=m_comp, p=p,
+                              cost_model=cost_model, max_seq_len=max_seq_len)
+    # token_equal: classes still need a cost; use the cost model's exponent or attention-free 1
+    p = table.p if table.p is not None else float(cost_model.p) if cost_model is not None else 1.0
+    costs = batch_costs(table.batch_size, table.seq_len, p, cost_model)
     cost_min, log_width = float(costs.min()), math.log1p(class_tolerance)
     classes = np.floor(np.log(costs / cost_min) / log_width).astype(np.int64)
-    expected_batches = np.bincount(classes, weights=counts / b)
-    return StreamPlan(policy, int(m_mem), m_comp, p, max_seq_len, cost_model, cost_min, log_width,
-                      expected_batches / expected_batches.sum())
+    expected_batches = np.bincount(classes, weights=table.samples / table.batch_size)
+    return StreamSchedule(policy, table.m_mem, table.m_comp, p, table.max_seq_len, cost_model, cost_min, log_width,
+                          expected_batches / expected_batches.sum())
 
 
-def class_schedule(plan: StreamPlan, seed: int, epoch: int, steps: int) -> np.ndarray:
+def class_schedule(schedule: StreamSchedule, seed: int, epoch: int, steps: int) -> np.ndarray:
     """(steps,) int64 cost class of each step, the same on every rank: blocks of SCHEDULE_BLOCK steps
     with class counts rounded from class_prob (largest remainder), shuffled by a shared-seed RNG."""
     out = np.empty(steps, dtype=np.int64)
     for block, start in enumerate(range(0, steps, SCHEDULE_BLOCK)):
         n = min(SCHEDULE_BLOCK, steps - start)
         rng = np.random.default_rng([int(seed), int(epoch), block])
-        want = plan.class_prob * n
+        want = schedule.class_prob * n
         counts = np.floor(want).astype(np.int64)
         extra = n - counts.sum()
         # largest remainders, random among ties, so rare classes still get their share over blocks
@@ -103,69 +106,78 @@ def class_schedule(plan: StreamPlan, seed: int, epoch: int, steps: int) -> np.nd
     return out
 
 
-def sample_nbytes(sample: dict) -> int:
-    """Bytes a buffered sample holds: tensors, arrays and bytes values (others count 0)."""
-    total = 0
-    for value in sample.values():
-        if isinstance(value, torch.Tensor):
-            total += value.element_size() * value.nelement()
-        elif isinstance(value, np.ndarray):
-            total += value.nbytes
-        elif isinstance(value, (bytes, bytearray)):
-            total += len(value)
-    return total
-
-
 class StreamingBucketBatcher:
     """Pipeline stage: `stage(samples) -> iterator of batches (lists of sample dicts)`.
 
-    batches_per_epoch: batches this rank yields per epoch (split over DataLoader workers: worker w
-    emits steps w, w + num_workers, ..., which the DataLoader's round-robin puts back in order).
-    Buffer bound: max_buffer_samples samples and max_buffer_bytes bytes (by `nbytes(sample)`),
-    plus one sample read past the bound. worker/num_workers default to torch's worker info.
+    batches_per_epoch: batches this rank yields per epoch, split over DataLoader workers: worker
+    `worker` of `num_workers` emits steps worker, worker + num_workers, ..., which the DataLoader's
+    round-robin puts back in order (so build the stage where the worker is known, e.g. from
+    torch.utils.data.get_worker_info() inside the worker; 0 and 1 without workers).
+    Buffer bound: max_buffer_samples samples and, when both are given, max_buffer_bytes bytes as
+    counted by `nbytes(sample)`; plus one sample read past the bound.
     """
 
-    def __init__(self, plan: StreamPlan, *, batches_per_epoch: int, seed: int = 0, max_buffer_samples: int = 4096,
-                 max_buffer_bytes: int = 4 << 30, nbytes: Callable[[dict], int] = sample_nbytes,
-                 worker: int | None = None, num_workers: int | None = None):
-        check_policy(plan.policy)
-        self.plan, self.seed, self.nbytes = plan, int(seed), nbytes
+    def __init__(self, schedule: StreamSchedule, *, batches_per_epoch: int, worker: int, num_workers: int,
+                 seed: int = 0, max_buffer_samples: int = 4096, max_buffer_bytes: int | None = None,
+                 nbytes: Callable[[dict], int] | None = None):
+        if (max_buffer_bytes is None) != (nbytes is None):
+            raise ValueError("max_buffer_bytes and nbytes go together: the byte bound needs a sample's bytes")
+        self.schedule, self.seed = schedule, int(seed)
         self.batches_per_epoch = require_int("batches_per_epoch", batches_per_epoch)
+        self.num_workers = require_int("num_workers", num_workers)
+        self.worker = require_int("worker", worker, minimum=0)
+        if self.worker >= self.num_workers:
+            raise ValueError(f"worker must be < num_workers, got worker={worker!r}, num_workers={num_workers!r}")
         self.max_buffer_samples = require_int("max_buffer_samples", max_buffer_samples)
-        self.max_buffer_bytes = require_int("max_buffer_bytes", max_buffer_bytes)
-        self.worker, self.num_workers = worker, num_workers
+        self.max_buffer_bytes = math.inf if max_buffer_bytes is None else require_int("max_buffer_bytes",
+                                                                                      max_buffer_bytes)
+        self.nbytes = nbytes or _no_bytes
         self.epoch = 0
         self.stats: dict = {}
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def _worker(self) -> tuple[int, int]:
-        if self.worker is not None:
-            return int(self.worker), int(self.num_workers or 1)
-        info = torch.utils.data.get_worker_info()
-        return (info.id, info.num_workers) if info is not None else (0, 1)
-
     def __call__(self, samples: Iterable[dict]) -> Iterator[list[dict]]:
-        worker, num_workers = self._worker()
-        steps = range(worker, self.batches_per_epoch, num_workers)
-        schedule = class_schedule(self.plan, self.seed, self.epoch, self.batches_per_epoch) \
-            if self.plan.policy == "balanced" else None
-        state = _Buffer(self.plan, iter(samples), self.max_buffer_samples, self.max_buffer_bytes, self.nbytes)
+        steps = range(self.worker, self.batches_per_epoch, self.num_workers)
+        classes = class_schedule(self.schedule, self.seed, self.epoch, self.batches_per_epoch) \
+            if self.schedule.policy == "balanced" else None
+        state = _Buffer(self.schedule, iter(samples), self.max_buffer_samples, self.max_buffer_bytes, self.nbytes)
         self.stats = state.stats
         for step in steps:
-            yield state.next_batch(None if schedule is None else int(schedule[step]), step)
+            yield state.next_batch(None if classes is None else int(classes[step]), step)
         if state.stats["skipped_bad"]:
             log.warning("streaming batcher epoch %d worker %d: skipped %d samples without a valid integer 'seq_len'",
-                        self.epoch, worker, state.stats["skipped_bad"])
-        log.info("streaming batcher epoch %d worker %d: %s", self.epoch, worker, state.stats)
+                        self.epoch, self.worker, state.stats["skipped_bad"])
+        log.info("streaming batcher epoch %d worker %d: %s", self.epoch, self.worker, state.stats)
+
+
+def _no_bytes(sample: dict) -> int:
+    return 0
+
+
+def _token_count(value) -> int | None:
+    """`value` as a token count >= 1 (a Python or numpy integer, or any one-element integer array
+    such as a tensor), else None."""
+    if isinstance(value, bool):
+        return None
+    if not isinstance(value, (int, np.integer)):
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if array.size != 1 or not np.issubdtype(array.dtype, np.integer):
+            return None
+        value = array.item()
+    return int(value) if value >= 1 else None
 
 
 class _Buffer:
     """Per-bucket FIFO buffers of one worker's stream, and the batch-picking rules."""
 
-    def __init__(self, plan: StreamPlan, source: Iterator[dict], max_samples: int, max_bytes: int, nbytes):
-        self.plan, self.source, self.max_samples, self.max_bytes, self.nbytes = plan, source, max_samples, max_bytes, nbytes
+    def __init__(self, schedule: StreamSchedule, source: Iterator[dict], max_samples: int, max_bytes: float, nbytes):
+        self.schedule, self.source, self.nbytes = schedule, source, nbytes
+        self.max_samples, self.max_bytes = max_samples, max_bytes
         self.queues: dict[int, deque] = {}  # seq_len -> deque of (sample, bytes)
         self.batch: dict[int, int] = {}     # seq_len -> batch size
         self.klass: dict[int, int] = {}     # seq_len -> cost class
@@ -181,22 +193,17 @@ class _Buffer:
             self.exhausted = True
             return
         self.stats["samples_in"] += 1
-        s = sample.get("seq_len") if isinstance(sample, dict) else None
-        if isinstance(s, torch.Tensor):
-            s = s.item() if s.numel() == 1 else None
-        elif isinstance(s, np.ndarray):
-            s = s.item() if s.size == 1 else None
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+        s = _token_count(sample.get("seq_len")) if isinstance(sample, dict) else None
+        if s is None:
             self.stats["skipped_bad"] += 1
             return
-        s = int(s)
-        if s > self.plan.max_seq_len:
+        if s > self.schedule.max_seq_len:
             self.stats["skipped_oversize"] += 1
             return
         if s not in self.queues:
             self.queues[s] = deque()
-            self.batch[s] = self.plan.batch_size(s)
-            self.klass[s] = self.plan.batch_class(s)
+            self.batch[s] = self.schedule.batch_size(s)
+            self.klass[s] = self.schedule.batch_class(s)
         size = int(self.nbytes(sample))
         self.queues[s].append((sample, size))
         self.samples += 1

@@ -30,41 +30,58 @@ def run(capsys, *argv):
 
 
 def test_plan_on_shipped_measurements(capsys):
-    code, out, err = run(capsys, "plan", "--shapes", SHAPES, "--cost-model", CURVE, "--m-mem", "65536")
+    code, out, err = run(capsys, "plan", "--shapes", SHAPES, "--cost-model", CURVE, "--m-mem", "65536",
+                         "--world-size", "8")
     assert code == 0 and err == ""
-    assert "100000 samples, 8273 dropped as longer than max_seq_len" in out
-    assert "75600" in out
+    mix = read_shapes_jsonl(SHAPES)
+    oversize = int(mix.counts[mix.tokens > 65536].sum())
+    assert oversize > 0 and f"of {mix.num_samples} samples scheduled; dropped: oversize {oversize}," in out
+    assert "epoch plan on 8 rank(s)" in out and "policy balanced" in out
+    assert "75600" not in out  # the oversize bucket is not scheduled
 
 
-def test_plan_json_matches_formulas(capsys, fitted):
+@pytest.mark.parametrize("policy", ["token_equal", "dual_constraint", "balanced"])
+@pytest.mark.parametrize("world, drop_last", [(1, True), (8, True), (8, False)])
+def test_plan_json_matches_formulas(capsys, fitted, policy, world, drop_last):
     path, model = fitted
     code, out, _ = run(capsys, "plan", "--shapes", SHAPES, "--cost-model", path, "--m-mem", "65536",
-                       "--max-seq-len", "50000", "--json")
+                       "--max-seq-len", "50000", "--json", "--policy", policy, "--world-size", str(world),
+                       "--drop-last" if drop_last else "--no-drop-last")
     assert code == 0
-    table = json.loads(out)
+    doc = json.loads(out)
+    table, stats = doc["bucket_table"], doc["epoch_plan"]
     mix = read_shapes_jsonl(SHAPES)
-    assert table["samples"] == mix.num_samples
-    assert table["dropped_oversize"] == int(mix.counts[mix.tokens > 50000].sum())
-    assert table["m_comp"] == pytest.approx(model.m_comp(65536, 46800))  # longest bucket <= 50000
-    for row in table["buckets"]:
-        s = row["tokens"]
-        assert row["samples"] == int(mix.counts[mix.tokens == s].sum())
-        if s > 50000:
-            assert row["dropped"] == row["samples"] and row["batch_size"]["token_equal"] is None
-            continue
-        b_tok = token_equal_batch_size(s, 65536)
-        b_dual = dual_constraint_batch_size(s, 65536, table["m_comp"], model.p)
-        assert row["batch_size"] == {"token_equal": b_tok, "dual_constraint": b_dual, "balanced": b_dual}
-        assert row["step_ms"]["token_equal"] == pytest.approx(model.predict(b_tok, s))
+    fits = mix.tokens <= 50000
+    assert table["seq_len"] == sorted(set(mix.tokens[fits].tolist()))  # no two shapes share a count here
+    m_comp = model.m_comp(65536, 46800)  # longest bucket <= 50000
+    assert table["m_comp"] == (None if policy == "token_equal" else pytest.approx(m_comp))
+    full_batches = partial = 0
+    for s, n, b, ms in zip(table["seq_len"], table["samples"], table["batch_size"], table["cost_ms"]):
+        assert n == int(mix.counts[mix.tokens == s].sum())
+        expect = token_equal_batch_size(s, 65536) if policy == "token_equal" \
+            else dual_constraint_batch_size(s, 65536, m_comp, model.p)
+        assert b == expect and ms == pytest.approx(model.predict(b, s))
+        full_batches += n // b
+        partial += n % b
+    oversize = int(mix.counts[~fits].sum())
+    assert stats["samples_total"] == mix.num_samples and stats["dropped_oversize"] == oversize
+    assert stats["world_size"] == world and stats["batches"] == stats["steps"] * world
+    left_out = stats["dropped_oversize"] + stats["dropped_partial_batch"] + stats["dropped_step_remainder"]
+    assert stats["samples_scheduled"] + left_out == mix.num_samples
+    if drop_last:
+        assert stats["dropped_partial_batch"] == partial and stats["steps"] == full_batches // world
+    else:  # every sample that fits is scheduled, in ceil(batches / world) steps
+        batches = full_batches + sum(n % b > 0 for n, b in zip(table["samples"], table["batch_size"]))
+        assert left_out == oversize and stats["steps"] == -(-batches // world)
 
 
 def test_plan_explicit_m_comp(capsys, fitted):
     code, out, _ = run(capsys, "plan", "--shapes", SHAPES, "--cost-model", fitted[0], "--m-mem", "65536",
                        "--m-comp", "1e5", "--json")
-    table = json.loads(out)
-    assert table["m_comp"] == 1e5
-    row = next(r for r in table["buckets"] if r["tokens"] == 1024)
-    assert row["batch_size"]["dual_constraint"] == max(1, min(64, int(np.floor(1e5 / 1024 ** fitted[1].p))))
+    table = json.loads(out)["bucket_table"]
+    assert table["m_comp"] == 1e5 and table["policy"] == "balanced"
+    b = table["batch_size"][table["seq_len"].index(1024)]
+    assert b == max(1, min(64, int(np.floor(1e5 / 1024 ** fitted[1].p))))
 
 
 def test_simulate_json(capsys, fitted):
@@ -82,7 +99,7 @@ def test_simulate_json(capsys, fitted):
 
 
 @pytest.mark.parametrize("line, needle", [
-    ('{"frames": 1, "height": 0, "width": 64}', ":2: field 'height' must be >= 1"),
+    ('{"frames": 1, "height": 0, "width": 64}', ":2: field 'height' must be an integer >= 1, got 0"),
     ('{"tokens": 512, "count": 2.5}', ":2: field 'count' must be an integer"),
     ('{"tokens": 512', ":2: not valid JSON"),
     ('{"frames": 1, "height": 64}', ":2: needs 'tokens'"),

@@ -7,8 +7,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule, schedule_keys
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.shards import write_shard
+from lightning_adaptiveload.scheduling.buckets import schedule_keys
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 from tests.helpers.data import C, D_TEXT, L_TEXT, SHAPES, KeyRecorder, tokens_ref, trainer, write_dataset
 
@@ -53,22 +54,10 @@ def test_map_style_batches_equal_written_arrays(tmp_path, policy, num_workers):
     assert dict(dm.skipped) == {}
 
 
-def test_schedule_keys_one_shape_per_key():
-    rng = np.random.default_rng(0)
-    shapes = np.array([SHAPES[i] for i in rng.integers(len(SHAPES), size=500)])
-    tokens = np.array([tokens_ref(*s) for s in shapes])
-    keys = schedule_keys(shapes, tokens)
-    assert (keys >= tokens).all()
-    for k in np.unique(keys):
-        assert len({tuple(s) for s in shapes[keys == k]}) == 1
-    assert len(np.unique(keys)) == len({tuple(s) for s in shapes})
-    assert (keys - tokens).max() <= 2  # collisions move a count by at most the group size
-
-
 def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
     write_dataset(tmp_path, n=90)
     dm = make_dm(tmp_path, m_mem=200)
-    table = dm.bucket_table()
+    table = dm.bucket_table().rows()
     assert [r["latent_shape"] for r in table if tokens_ref(*r["latent_shape"]) == 8] == [(1, 4, 8), (1, 8, 4)]
     assert sorted(r["seq_len"] for r in table) == list(dm.bucket_seq_lens())
     for b in epoch_batches(dm):
@@ -82,8 +71,8 @@ def test_config_checks_at_setup_are_counted(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         dm = make_dm(tmp_path, max_seq_len=30, m_mem=64)
     assert dm.skipped == {"over_max_seq_len": sum(t > 30 for t in tokens.values())} and "over_max_seq_len" in caplog.text
-    assert sum(r["samples"] for r in dm.bucket_table()) == sum(t <= 30 for t in tokens.values())
-    assert {r["latent_shape"] for r in dm.bucket_table()} == {s for s in SHAPES if tokens_ref(*s) <= 30}
+    assert sum(r["samples"] for r in dm.bucket_table().rows()) == sum(t <= 30 for t in tokens.values())
+    assert {r["latent_shape"] for r in dm.bucket_table().rows()} == {s for s in SHAPES if tokens_ref(*s) <= 30}
     dm = make_dm(tmp_path, text_dim=7)  # samples with an 8-wide text embedding no longer fit
     assert dm.skipped == {"bad_text": sum(t is not None for _, t in written.values())}
     resized = make_dm(tmp_path, max_seq_len=30, oversize="resize")
@@ -100,7 +89,7 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     dm = make_dm(tmp_path, m_mem=400)
     # corrupt the latent bytes of one scheduled sample (in a batch of >= 2) after indexing
     batch = next(b for b in dm.train_dataloader().batch_sampler if len(b) >= 2)
-    row = dm.dataset.index[batch[0]]
+    row = dm.source.dataset.index[batch[0]]
     offset, size = row["members"]["latent.npy"]
     with open(row["shard"], "r+b") as f:
         f.seek(offset)
@@ -112,8 +101,8 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     assert "bad_latent=1" in caplog.text
     # a batch whose every sample fails cannot be filled: a clear error, not an empty batch
     for i in batch:
-        offset, _ = dm.dataset.index[i]["members"]["latent.npy"]
-        with open(dm.dataset.index[i]["shard"], "r+b") as f:
+        offset, _ = dm.source.dataset.index[i]["members"]["latent.npy"]
+        with open(dm.source.dataset.index[i]["shard"], "r+b") as f:
             f.seek(offset)
             f.write(b"\0" * 16)
     with pytest.raises(RuntimeError, match="every sample of a batch failed"):
@@ -133,7 +122,7 @@ def test_synthetic_batch_structure_equals_real_batch(tmp_path):
         assert synth[k].std() > 0.5
     assert synth["latent_shape"] == real["latent_shape"] and synth["seq_len"] == real["seq_len"]
     # every scheduled count maps to its bucket's shape; an unknown count to a shape with that many tokens
-    for row in dm.bucket_table():
+    for row in dm.bucket_table().rows():
         assert dm.synthetic_batch(row["seq_len"], 1)["latent_shape"] == row["latent_shape"]
     b = dm.synthetic_batch(1000, 2)
     assert tokens_ref(*b["latent_shape"]) == 1000 == b["seq_len"] and b["latents"].shape[2:] == b["latent_shape"]
@@ -148,7 +137,7 @@ def test_set_cost_model_rebuilds_bucket_table(tmp_path):
     s = rng.integers(4, 100, size=40)
     model = CostModel.fit(b, s, 1.0 + 0.01 * b * s ** 1.5, form="power")
     dm.set_cost_model(model, m_mem=128)
-    table = dm.bucket_table()
+    table = dm.bucket_table().rows()
     m_comp = model.m_comp(128, int(dm.bucket_seq_lens()[-1]))
     for row in table:
         s_ = row["seq_len"]
@@ -196,8 +185,8 @@ def test_prepare_data_synthesizes_shards_and_index(tmp_path):
                                 synthesize=30, synthesize_shapes=str(mix))
     dm.prepare_data()
     dm.setup("fit")
-    assert {r["latent_shape"] for r in dm.bucket_table()} == {(1, 4, 4), (3, 6, 6)}
-    assert sum(r["samples"] for r in dm.bucket_table()) == 30
+    assert {r["latent_shape"] for r in dm.bucket_table().rows()} == {(1, 4, 4), (3, 6, 6)}
+    assert sum(r["samples"] for r in dm.bucket_table().rows()) == 30
     mtime = (tmp_path / "index.jsonl").stat().st_mtime_ns
     dm.prepare_data()  # second run: nothing rewritten
     assert (tmp_path / "index.jsonl").stat().st_mtime_ns == mtime
@@ -272,15 +261,16 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
         thw.append(shape)
         tokens.append(seq_len)
     assert set(skipped) == {"bad_shape", "bad_text"} and dm.skipped == skipped
-    assert [row["key"] for row in dm.dataset.index] == kept
-    np.testing.assert_array_equal(dm._keys, schedule_keys(np.array(thw), np.array(tokens)))
-    assert {r["seq_len"]: r["samples"] for r in dm.bucket_table()} == dict(Counter(dm._keys.tolist()))
+    assert [row["key"] for row in dm.source.dataset.index] == kept
+    np.testing.assert_array_equal(dm.source.sample_keys(), schedule_keys(np.array(thw), np.array(tokens)))
+    samples = {r["seq_len"]: r["samples"] for r in dm.bucket_table().rows()}
+    assert samples == dict(Counter(dm.source.sample_keys().tolist()))
 
 
 def test_collate_keeps_the_majority_shape_on_a_collision():
     """A streaming bucket of two unplanned equal-token shapes: the minority is skipped, not whichever
     shape happened to come first; kept latents equal the decoded ones."""
-    from lightning_adaptiveload.data.datamodule import collate_samples
+    from lightning_adaptiveload.data.collate import collate_samples
 
     rng = np.random.default_rng(5)
     shapes = [(1, 4, 8), (1, 8, 4), (1, 8, 4), (1, 8, 4), (1, 4, 8), (1, 8, 4)]
@@ -299,9 +289,10 @@ def test_spawned_workers_read_correct_samples(tmp_path):
     descriptor numbers of the parent (which name other files there)."""
     written = write_dataset(tmp_path, n=30, shards=3)
     dm = make_dm(tmp_path, m_mem=200, num_workers=2)
-    for i in range(len(dm.dataset)):  # the main process opens every shard
-        dm.dataset[i]
-    loader = torch.utils.data.DataLoader(dm.dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    for i in range(len(dm.source.dataset)):  # the main process opens every shard
+        dm.source.dataset[i]
+    loader = torch.utils.data.DataLoader(dm.source.dataset, batch_size=None, num_workers=1,
+                                         multiprocessing_context="spawn")
     seen = {}
     for sample in loader:
         seen[sample["key"]] = sample["latent"]

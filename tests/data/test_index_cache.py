@@ -231,5 +231,5 @@ def test_datamodule_index_cache_arg(tmp_path, index_cache):
     assert index_cache_path(tmp_path / "index.jsonl").exists() == index_cache
     again = AdaptiveLoadDataModule(**args)
     again.setup("fit")
-    assert_same_index(again.dataset.index, dm.dataset.index)
-    assert again.bucket_table() == dm.bucket_table()
+    assert_same_index(again.source.dataset.index, dm.source.dataset.index)
+    assert again.bucket_table().rows() == dm.bucket_table().rows()

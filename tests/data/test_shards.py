@@ -311,7 +311,7 @@ def test_cli_index_and_make_shards_bad_input_exit_2(tmp_path, capsys):
     assert "adaptiveload index: error:" in capsys.readouterr().err
     (tmp_path / "mix.jsonl").write_text('{"tokens": 0}\n')
     assert cli_main(["make-shards", "--shapes", str(tmp_path / "mix.jsonl"), "--n", "3", "--out", str(tmp_path)]) == 2
-    assert "mix.jsonl:1: field 'tokens' must be >= 1" in capsys.readouterr().err
+    assert "mix.jsonl:1: field 'tokens' must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_no_pickle_payload_runs(tmp_path, capsys):

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.shards import encode_sample, write_shard
-from lightning_adaptiveload.data.webdataset_stream import shard_order
+from lightning_adaptiveload.data.webdataset_stream import sample_nbytes, shard_order
 from tests.helpers.data import C, D_TEXT, L_TEXT, KeyRecorder, corrupt_cases, tokens_ref, trainer, write_dataset
 
 
@@ -104,8 +104,9 @@ def test_streaming_uses_shapes_mix_for_bucket_table(tmp_path):
                    '{"latent_t": 1, "latent_h": 8, "latent_w": 4, "count": 3}\n'
                    '{"latent_t": 9, "latent_h": 64, "latent_w": 64, "count": 1}\n')
     dm = stream_dm(tmp_path, shapes=str(mix), max_seq_len=100, oversize="resize")
-    table = dm.bucket_table()
-    assert [(r["seq_len"], r["latent_shape"], r["samples"]) for r in table[:2]] == [(8, (1, 4, 8), 5), (9, (1, 8, 4), 3)]
+    table = dm.bucket_table().rows()
+    assert [(r["seq_len"], r["latent_shape"], r["samples"]) for r in table[:2]] == [(8, (1, 4, 8), 5),
+                                                                                  (9, (1, 8, 4), 3)]
     assert table[2]["seq_len"] <= 100 and tokens_ref(*table[2]["latent_shape"]) == table[2]["seq_len"]
     # shapes the mix does not list still stream, in their own buckets
     batches = rank_batches(dm, 2, 1)
@@ -159,3 +160,20 @@ def test_uneven_shard_split_warns(tmp_path, caplog):
         dm.build_train_loader(4, 0)  # 2 readers own 1 shard, 2 own 2: the single shards are read twice as often
     assert "6 shards over 4 readers (ranks x workers): 2 readers stream 1 shards and read each 100% more often" \
         in caplog.text
+
+
+def test_sample_nbytes_counts_tensors_arrays_and_bytes():
+    sample = {"seq_len": 100, "latent": torch.zeros(4, 8, dtype=torch.float16), "raw": b"abc",
+              "arr": np.zeros(5, dtype=np.float32), "key": "x", "view": torch.zeros(10, 10)[:, 0]}
+    assert sample_nbytes(sample) == 4 * 8 * 2 + 3 + 5 * 4 + 10 * 4
+
+
+def test_streaming_counters_drop_nothing(tmp_path):
+    write_dataset(tmp_path, n=30, shards=2)
+    dm = stream_dm(tmp_path, max_seq_len=60)  # (5, 8, 8) samples have 80 tokens: skipped when decoded
+    assert dm.counters() == {"dropped_oversize": 0, "dropped_partial_batch": 0, "dropped_step_remainder": 0}
+    rank_batches(dm, 1, 0)
+    counters = dm.counters()
+    assert counters["skipped/over_max_seq_len"] == dm.skipped["over_max_seq_len"] > 0
+    assert {k: v for k, v in counters.items() if k.startswith("dropped")} == dict.fromkeys(
+        ("dropped_oversize", "dropped_partial_batch", "dropped_step_remainder"), 0)

@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.policies import dual_constraint_batch_size, token_equal_batch_size
-from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, assign_buckets
+from lightning_adaptiveload.scheduling.buckets import assign_buckets
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 
 M_MEM = 65536
 BUCKETS = np.array([256, 1024, 1560, 3600, 7800, 14040, 20280, 32760, 46800, 61200, 75600])
@@ -137,6 +138,45 @@ def test_drop_last_false_keeps_partials(world, policy):
     assert stats["dropped_step_remainder"] < world
     assert len(flat) == len(seq_lens) - stats["dropped_oversize"] - stats["dropped_step_remainder"]
     assert all(len(b) >= 1 for r in per_rank for b in r)
+
+
+@pytest.mark.parametrize("policy", ["token_equal", "dual_constraint", "balanced"])
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_drop_last_false_schedules_every_sample_once(policy, world, monkeypatch):
+    """Every sample exactly once, equal steps on every rank, whenever the epoch's samples can fill
+    ceil(batches / world) steps of non-empty batches; otherwise only the last leftover (< world
+    samples) is left out and counted. Mixes heavy in B = 1 buckets make small leftovers common."""
+    import lightning_adaptiveload.scheduling.epoch_plan as epoch_plan
+
+    resplits = []
+    original = epoch_plan._steps_to_resplit
+    monkeypatch.setattr(epoch_plan, "_steps_to_resplit", lambda *a: resplits.append(original(*a)) or resplits[-1])
+    rng = np.random.default_rng(world)
+    weights = np.array([1, 1, 1, 1, 1, 1, 2, 2, 6, 6], dtype=float)  # BUCKETS[:-1]: the last two have B = 1
+    for trial in range(25):
+        seq_lens = rng.choice(BUCKETS[:-1], size=int(rng.integers(world, 80)), p=weights / weights.sum())
+        samplers = make_ranks(seq_lens, world, policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=trial,
+                              drop_last=False)
+        size = dict(zip(samplers[0].bucket_seq_len.tolist(), samplers[0].bucket_batch.tolist()))
+        counts = {s: int((seq_lens == s).sum()) for s in size}
+        batches = sum(-(-n // size[s]) for s, n in counts.items())
+        fillable = len(seq_lens) >= -(-batches // world) * world
+        per_rank = [list(s) for s in samplers]
+        assert len({len(r) for r in per_rank}) == 1
+        flat = np.concatenate([np.asarray(b) for r in per_rank for b in r])
+        assert len(np.unique(flat)) == len(flat)
+        for r in per_rank:
+            for b in r:
+                s = np.unique(seq_lens[b])
+                assert len(s) == 1 and 1 <= len(b) <= size[int(s[0])]
+        stats = samplers[0].stats
+        assert stats["dropped_partial_batch"] == 0 and stats["samples_scheduled"] == len(flat)
+        if fillable:
+            assert sorted(flat.tolist()) == list(range(len(seq_lens))) and stats["dropped_step_remainder"] == 0
+            assert len(per_rank[0]) == -(-batches // world)
+        else:
+            assert 0 < stats["dropped_step_remainder"] == len(seq_lens) - len(flat) < world
+    assert any(r and r > 0 for r in resplits), "no case re-split earlier steps"
 
 
 def test_oversize_drop_and_resize():
@@ -275,11 +315,11 @@ def test_reads_world_from_torch_distributed(tmp_path):
 
 
 def test_reads_rank_from_torch_distributed(monkeypatch):
-    import lightning_adaptiveload.scheduling.sampler as sampler_module
+    import torch.distributed as dist
 
-    monkeypatch.setattr(sampler_module.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(sampler_module.dist, "get_world_size", lambda: 4)
-    monkeypatch.setattr(sampler_module.dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
     seq_lens = random_seq_lens(800, seed=8)
     s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=M_MEM)
     assert (s.num_replicas, s.rank) == (4, 2)
@@ -318,9 +358,9 @@ def test_lightning_trainer_uses_it_and_sets_epoch(tmp_path):
 
 
 def test_integer_arguments_give_clear_errors():
-    from lightning_adaptiveload.scheduling.policies import require_int
+    from lightning_adaptiveload._validation import require_int
     from lightning_adaptiveload.scheduling.simulate import simulate
-    from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_plan
+    from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_schedule
     from lightning_adaptiveload.scheduling.shapes import ShapeMix
 
     assert require_int("n", 4096.0) == 4096 and require_int("n", np.int64(7)) == 7 and require_int("n", 0, 0) == 0
@@ -332,7 +372,8 @@ def test_integer_arguments_give_clear_errors():
         BucketBatchSampler(seq, policy="token_equal", m_mem=M_MEM, max_seq_len="long")
     mix = ShapeMix(tokens=np.array([100, 400]), counts=np.array([5, 5]), latent_thw=-np.ones((2, 3), np.int64))
     with pytest.raises(ValueError, match="batches_per_epoch must be an integer >= 1, got None"):
-        StreamingBucketBatcher(make_stream_plan(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None)
+        StreamingBucketBatcher(make_stream_schedule(mix, policy="token_equal", m_mem=M_MEM), batches_per_epoch=None,
+                               worker=0, num_workers=1)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got None"):
         simulate(mix, None, m_mem=M_MEM, world_size=1, policy="token_equal", steps=None)
 

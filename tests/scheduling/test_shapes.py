@@ -55,7 +55,7 @@ def test_shapes_file_all_three_kinds_and_default_count(tmp_path):
 
 
 @pytest.mark.parametrize("line, needle", [
-    ('{"frames": 0, "height": 480, "width": 832}', ":2: field 'frames' must be >= 1"),
+    ('{"frames": 0, "height": 480, "width": 832}', ":2: field 'frames' must be an integer >= 1, got 0"),
     ('{"tokens": 10, "count": 1.5}', ":2: field 'count' must be an integer"),
     ('{"tokens": true}', ":2: field 'tokens' must be an integer"),
     ('{"height": 480, "width": 832}', ":2: needs 'tokens'"),

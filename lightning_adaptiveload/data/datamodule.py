@@ -177,7 +177,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         the train loader is built (the calibration callback does, in on_fit_start; it passes
         cost_model=None and policy="token_equal" when its fit is not trusted)."""
         if policy is not None:
-            self.policy = check_policy(policy)
+            self.policy = require_choice("policy", policy, POLICIES)
         if cost_model is None and self.policy != "token_equal" and (self.m_comp is None or self.p is None):
             raise ValueError(f"policy {self.policy!r} needs a cost model (or m_comp and p)")
         self.cost_model = cost_model
@@ -195,14 +195,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         world size (full batches of every bucket, and this epoch's partial ones); on the streaming
         path the full batch of every planned bucket, weighted by its expected count."""
         world = self.trainer.world_size if self.trainer is not None else 1
-        if self.dataset is not None:
+        if isinstance(self.source, MapStyleSource):
             plan = self.build_sampler(world, 0).plan()
             ids = plan.steps.ravel()
             pairs, counts = np.unique(np.column_stack([plan.batch_len[ids], plan.batch_seq_len[ids]]), axis=0,
                                       return_counts=True)
             return [(int(b), self._key_shape[int(s)], int(n)) for (b, s), n in zip(pairs, counts)]
         return [(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])))
-                for row in self.bucket_table()]
+                for row in self.bucket_table().rows()]
 
     # -- batches --
 

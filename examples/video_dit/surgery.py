@@ -56,6 +56,14 @@ def head_forward(self: nn.Module, x: Tensor, time_emb: Tensor) -> Tensor:
     return self.head(h)
 
 
-VIDEO_DIT_BLOCK = AdaLNPattern("video_dit.DiTBlock", "DiTBlock", block_forward, {"d2ecd3e5fad7b2f0": CHECKED_AT}, layer_norms_check("norm1", "norm2"))
-VIDEO_DIT_HEAD = AdaLNPattern("video_dit.Head", "Head", head_forward, {"0257aa74e9be067c": CHECKED_AT}, layer_norms_check("norm"))
+VIDEO_DIT_BLOCK = AdaLNPattern(
+    name="video_dit.DiTBlock", class_name="DiTBlock", fused_forward=block_forward,
+    checked={"d2ecd3e5fad7b2f0": CHECKED_AT},  # fingerprint of DiTBlock.forward -> where it was checked
+    check=layer_norms_check("norm1", "norm2"),  # why an instance cannot be fused, or None
+)
+VIDEO_DIT_HEAD = AdaLNPattern(
+    name="video_dit.Head", class_name="Head", fused_forward=head_forward,
+    checked={"0257aa74e9be067c": CHECKED_AT},
+    check=layer_norms_check("norm"),
+)
 VIDEO_DIT_PATTERNS = [VIDEO_DIT_BLOCK, VIDEO_DIT_HEAD]

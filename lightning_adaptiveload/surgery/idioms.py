@@ -745,7 +745,7 @@ class ForwardAnalysis:
             return "forward is a coroutine or generator"
         for cell in fn.__closure__ or ():
             try:
-                cell.cell_contents
+                _ = cell.cell_contents  # an empty cell raises
             except ValueError:
                 return "forward reads a closure variable that is not set yet"
         return None
@@ -858,6 +858,7 @@ def _bound_forward(rewritten: Callable, name: str) -> Callable:
         return rewritten(self, *args, **kwargs)
 
     forward._fused_adaln_name = name
+    forward._fused_adaln_source = rewritten._fused_adaln_source  # print(block.forward._fused_adaln_source)
     forward.__qualname__ = f"fused_adaln[{name}]"
     return forward
 

@@ -154,6 +154,8 @@ class FusedSite:
             return "a cast of x that is not a dtype cast"
         if norm_dtype not in (x.dtype, torch.float32):
             return f"the norm computing in {norm_dtype} for x in {x.dtype} (the fused op computes in fp32)"
+        if self.layer_norm is None and not isinstance(values["norm"], nn.LayerNorm):
+            return f"the norm being a {type(values['norm']).__name__} now"
         shape, weight, bias, eps = self._norm_params(values)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if shape != (x.shape[-1],):
@@ -181,7 +183,6 @@ class FusedSite:
 class _Match:
     """A site found in the AST: its leaves (role, node), casts and form."""
 
-    root: ast.expr  # the expression in the forward that the call replaces
     leaves: list[tuple[str, ast.expr]] = field(default_factory=list)
     casts: dict[str, tuple[str, ast.expr | None, bool]] = field(default_factory=dict)  # where -> (method, arg, keyword)
     addcmul: bool = False
@@ -310,6 +311,30 @@ def _is_one(node: ast.expr) -> bool:
             and isinstance(node.value, (int, float)) and node.value == 1)
 
 
+def _one_plus(node: ast.expr) -> tuple[ast.expr, float, list[ast.AST]] | None:
+    """(scale, the constant 1 or 1.0, the nodes consumed) for `1 + scale`, `scale + 1`,
+    `(1 + scale)[:, None]` or `(1 + scale).unsqueeze(k)`; the indexing moves onto scale."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        for one, scale in ((node.left, node.right), (node.right, node.left)):
+            if _is_one(one):
+                return scale, one.value, [node, one]
+        return None
+    if isinstance(node, ast.Subscript) and _is_view_index(node.slice):
+        found = _one_plus(node.value)
+        if found is not None:
+            scale, one, nodes = found
+            return ast.copy_location(ast.Subscript(value=scale, slice=node.slice, ctx=ast.Load()), node), one, nodes + [node]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze"
+            and len(node.args) + len(node.keywords) == 1):
+        found = _one_plus(node.func.value)
+        if found is not None:
+            scale, one, nodes = found
+            call = ast.Call(func=ast.Attribute(value=scale, attr="unsqueeze", ctx=ast.Load()), args=node.args,
+                            keywords=node.keywords)
+            return ast.copy_location(call, node), one, nodes + [node]
+    return None
+
+
 def _is_view_index(node: ast.expr) -> bool:
     """`[:, None]`, `[None]`, `[..., None, :]`: only new axes and full slices (commute with `1 +`)."""
     items = node.elts if isinstance(node, ast.Tuple) else [node]
@@ -328,7 +353,7 @@ class _Matcher:
         self.scope, self.self_name, self.defs = scope, self_name, defs
 
     def match(self, node: ast.expr) -> _Match | None:
-        match = _Match(root=node)
+        match = _Match()
         expr = self._expand(node, match, 0)
         return self._site(expr, match) if expr is not None else None
 
@@ -456,32 +481,11 @@ class _Matcher:
     def _pair(self, a: ast.expr, b: ast.expr, match: _Match) -> tuple[ast.expr, ast.expr] | None:
         """(normed, scale) where one operand is `1 + scale`, the other a (cast) norm output."""
         for normed, factor in ((a, b), (b, a)):
-            scale = self._one_plus(factor, match)
-            if scale is not None and self._looks_normed(normed):
+            found = _one_plus(factor)
+            if found is not None and self._looks_normed(normed):
+                scale, match.one, nodes = found
+                match.structural += nodes
                 return normed, scale
-        return None
-
-    def _one_plus(self, node: ast.expr, match: _Match) -> ast.expr | None:
-        """scale for `1 + scale`, `scale + 1`, `(1 + scale)[:, None]`, `(1 + scale).unsqueeze(k)`."""
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-            for one, scale in ((node.left, node.right), (node.right, node.left)):
-                if _is_one(one):
-                    match.structural += [node, one]
-                    match.one = one.value
-                    return scale
-            return None
-        if isinstance(node, ast.Subscript) and _is_view_index(node.slice):
-            scale = self._one_plus(node.value, match)
-            if scale is not None:
-                match.structural.append(node)
-                return ast.copy_location(ast.Subscript(value=scale, slice=node.slice, ctx=ast.Load()), node)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze"
-                and len(node.args) + len(node.keywords) == 1):
-            scale = self._one_plus(node.func.value, match)
-            if scale is not None:
-                match.structural.append(node)
-                return ast.copy_location(ast.Call(func=ast.Attribute(value=scale, attr="unsqueeze", ctx=ast.Load()),
-                                                  args=node.args, keywords=node.keywords), node)
         return None
 
     def _looks_normed(self, node: ast.expr) -> bool:
@@ -579,6 +583,15 @@ def _start(node: ast.AST) -> tuple[int, int]:
     return node.lineno, node.col_offset
 
 
+_REPEATING = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+              ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _repeated(stmt: ast.stmt, target: ast.AST) -> bool:
+    """Whether `target`, a node under `stmt`, may be evaluated more than once per run of `stmt`."""
+    return any(isinstance(n, _REPEATING) and any(m is target for m in ast.walk(n)) for n in ast.walk(stmt))
+
+
 def _single_use_defs(function: ast.AST, matcher: _Matcher) -> dict[int, _Def]:
     """For each `name = <norm call>` in this function scope whose next read is in a later statement
     of the same block: that read's Name node -> the definition (or why it cannot be moved there)."""
@@ -604,7 +617,9 @@ def _single_use_defs(function: ast.AST, matcher: _Matcher) -> dict[int, _Def]:
             refusal = None
             reads = {n.id for n in _names(value, ast.Load)}
             between = stmts[i + 1:use]
-            if name in nested_names:
+            if _repeated(stmts[use], loads[0]):  # folded there, the norm would run once per iteration
+                refusal = f"the norm output `{name}` is read inside a loop or nested function at line {loads[0].lineno}"
+            elif name in nested_names:
                 refusal = f"the norm output `{name}` is also read by a nested function"
             elif len(loads) > 1:
                 refusal = f"the norm output `{name}` is read {len(loads)} times in line {stmts[use].lineno}"
@@ -711,9 +726,13 @@ class _Rewriter(ast.NodeTransformer):
         return ast.copy_location(call, node)
 
 
-def _strip_annotations(fdef: ast.FunctionDef) -> None:
-    """Annotations are evaluated when a def runs; the rewritten def runs outside the class body."""
+def _strip_def_time_expressions(fdef: ast.FunctionDef) -> None:
+    """Annotations and defaults are evaluated when a def runs, and the rewritten def runs outside
+    the class body: drop them (the compiled function gets the original's __defaults__)."""
+    fdef.decorator_list = []
     fdef.returns = None
+    fdef.args.defaults = [ast.Constant(None) for _ in fdef.args.defaults]
+    fdef.args.kw_defaults = [None if d is None else ast.Constant(None) for d in fdef.args.kw_defaults]
     for node in ast.walk(fdef):
         if isinstance(node, ast.arg):
             node.annotation = None
@@ -772,8 +791,18 @@ class ForwardAnalysis:
     def _rewrite(self, parsed: tuple[ast.Module, ast.FunctionDef], accept: frozenset) -> _Rewriter:
         tree, fdef = parsed
         self_name = (fdef.args.posonlyargs + fdef.args.args)[0].arg
-        local_names = {n.id for n in ast.walk(fdef) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        local_names |= {a.arg for a in ast.walk(fdef) if isinstance(a, ast.arg)}
+        local_names = set()
+        for n in ast.walk(fdef):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                local_names.add(n.id)
+            elif isinstance(n, ast.arg):
+                local_names.add(n.arg)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not fdef:
+                local_names.add(n.name)
+            elif isinstance(n, ast.alias):
+                local_names.add((n.asname or n.name).split(".")[0])
+            elif isinstance(n, ast.ExceptHandler) and n.name:
+                local_names.add(n.name)
         scope = _Scope(self.fn, self.cls, local_names)
         forward_nodes = {id(n) for n in ast.walk(fdef)}
         matchers = {}
@@ -794,8 +823,7 @@ class ForwardAnalysis:
         """fdef compiled as a closure with the forward's free variables and globals."""
         fn = self.fn
         freevars = fn.__code__.co_freevars
-        fdef.decorator_list = []
-        _strip_annotations(fdef)
+        _strip_def_time_expressions(fdef)
         factory = ast.FunctionDef(
             name="_fused_adaln_factory",
             args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in (SITES_NAME, *freevars)],

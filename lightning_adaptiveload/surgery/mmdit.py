@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_adaptiveload.surgery.core import Pattern, fused_modulate, layer_norms_check, patch_class
-from lightning_adaptiveload.surgery.wan import FP32_LAYER_NORM_CHECKED
+from lightning_adaptiveload.surgery.core import FP32_LAYER_NORM_CHECKED, AdaLNPattern, fused_modulate, layer_norms_check, patch_class
 
 CHECKED_AT = "diffusers 0.42.1"
 
@@ -194,27 +193,27 @@ def _norm2_reason(block: nn.Module) -> str | None:
     return layer_norms_check(*attrs)(block)
 
 
-ADA_LAYER_NORM_ZERO = Pattern(
+ADA_LAYER_NORM_ZERO = AdaLNPattern(
     "diffusers.AdaLayerNormZero", "AdaLayerNormZero", ada_layer_norm_zero_forward,
     {"8d53301f68852097": CHECKED_AT}, _norm_reason,
 )
-ADA_LAYER_NORM_ZERO_SINGLE = Pattern(
+ADA_LAYER_NORM_ZERO_SINGLE = AdaLNPattern(
     "diffusers.AdaLayerNormZeroSingle", "AdaLayerNormZeroSingle", ada_layer_norm_zero_single_forward,
     {"82973cd1632ed05f": CHECKED_AT}, _norm_reason,
 )
-ADA_LAYER_NORM_CONTINUOUS = Pattern(
+ADA_LAYER_NORM_CONTINUOUS = AdaLNPattern(
     "diffusers.AdaLayerNormContinuous", "AdaLayerNormContinuous", ada_layer_norm_continuous_forward,
     {"bfee5949ad241352": CHECKED_AT}, _norm_reason,
 )
-SD35_ADA_LAYER_NORM_ZERO_X = Pattern(
+SD35_ADA_LAYER_NORM_ZERO_X = AdaLNPattern(
     "diffusers.SD35AdaLayerNormZeroX", "SD35AdaLayerNormZeroX", sd35_ada_layer_norm_zero_x_forward,
     {"9d1ed1386964833e": CHECKED_AT}, _norm_reason,
 )
-JOINT_TRANSFORMER_BLOCK = Pattern(
+JOINT_TRANSFORMER_BLOCK = AdaLNPattern(
     "diffusers.JointTransformerBlock.norm2", "JointTransformerBlock", joint_transformer_block_forward,
     {"ccbb39db65d299ce": CHECKED_AT}, _norm2_reason,
 )
-FLUX_TRANSFORMER_BLOCK = Pattern(
+FLUX_TRANSFORMER_BLOCK = AdaLNPattern(
     "diffusers.FluxTransformerBlock.norm2", "FluxTransformerBlock", flux_transformer_block_forward,
     {"0e5dede637fa82eb": CHECKED_AT}, _norm2_reason,
 )

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_adaptiveload.surgery.core import Pattern, fused_modulate_fp32, layer_norms_check, patch_class, run_original, upcast_fallback_reason
+from lightning_adaptiveload.surgery.core import (
+    FP32_LAYER_NORM_CHECKED,
+    AdaLNPattern,
+    fused_modulate_fp32,
+    layer_norms_check,
+    patch_class,
+    run_original,
+    upcast_fallback_reason,
+)
 
-# FP32LayerNorm.forward as in diffusers 0.42.1: layer_norm of x.float() (fp32 weight/bias), cast back.
-FP32_LAYER_NORM_CHECKED = {"6130489cb2d1044a": "diffusers 0.42.1"}
 WAN_BLOCK_CHECKED = {"9cff22c73ad8ec81": "diffusers 0.42.1"}
 
 
@@ -59,7 +65,7 @@ def wan_block_forward(
     return hidden_states
 
 
-WAN_BLOCK = Pattern(
+WAN_BLOCK = AdaLNPattern(
     name="diffusers.WanTransformerBlock",
     class_name="WanTransformerBlock",
     fused_forward=wan_block_forward,

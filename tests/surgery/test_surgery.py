@@ -1,50 +1,44 @@
 """Module surgery on the original-DiT pattern (a faithful DiTBlock/FinalLayer below), the project's
-example video DiT, a model without AdaLN, runtime fallbacks, torch.compile and the Lightning callback."""
+example video DiT (its patterns registered through the public API, and the idiom recogniser on the
+same blocks), the pattern API itself, a model without AdaLN, runtime fallbacks, torch.compile and
+the Lightning callback."""
 from __future__ import annotations
 
 import copy
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tests.helpers.surgery import (
+    Attention,
     check_bf16_noise,
     check_fp32,
     check_idempotent,
     check_state_dict_round_trip,
     patched_copy,
     rel_err,
+    run,
 )
 
+from examples.video_dit import surgery as video_dit
 from examples.video_dit.model import DiTConfig, VideoDiT
 from examples.video_dit.module import VideoDiTModule
+from lightning_adaptiveload import surgery
 from lightning_adaptiveload.callbacks import FusedAdaLNSurgery
-from lightning_adaptiveload.surgery import PATTERN_NAMES, apply_fused_adaln, core, dit, video_dit
+from lightning_adaptiveload.surgery import apply_fused_adaln, core, dit, registry
+
+VIDEO_DIT_PATH = "examples.video_dit.surgery.VIDEO_DIT_PATTERNS"
 
 
 # --- the original DiT (facebookresearch/DiT models.py): forward and modulate verbatim, attention
 # and MLP equivalent to timm's Attention(qkv_bias=True) and Mlp(GELU tanh) ---------------------
 def modulate(x, shift, scale):
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 class DiTBlock(nn.Module):
@@ -113,16 +107,6 @@ def video_dit_inputs(batch=2):
             torch.randn(batch, 5, 16, generator=gen))
 
 
-@pytest.fixture(autouse=True)
-def no_fallback(monkeypatch):
-    """Fail on any fused-AdaLN fallback warning: the tests must exercise the fused op itself
-    (the fallback test expects its warnings with pytest.warns)."""
-    monkeypatch.setattr(core, "_warned", set())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="fused AdaLN", category=RuntimeWarning)
-        yield
-
-
 # --- pattern 2: original DiT ---------------------------------------------------------------------
 def test_dit_fp32_outputs_and_grads_match():
     torch.manual_seed(0)
@@ -160,17 +144,20 @@ def test_dry_run_changes_nothing():
 
 def test_pattern_selection():
     model = TinyDiT()
-    report = apply_fused_adaln(model, patterns=["dit.FinalLayer"])
+    report = apply_fused_adaln(model, patterns=["dit.FinalLayer"], idioms=False)
     assert report.counts() == {"dit.FinalLayer": 1}
     assert [(m, r) for m, _, r in report.left_alone] == [
-        ("blocks.0", "pattern(s) video_dit.DiTBlock, dit.DiTBlock not selected"),
-        ("blocks.1", "pattern(s) video_dit.DiTBlock, dit.DiTBlock not selected"),
+        ("blocks.0", "pattern(s) dit.DiTBlock not selected"),
+        ("blocks.1", "pattern(s) dit.DiTBlock not selected"),
     ]
+    # with the idiom recogniser on, the blocks no selected pattern fuses are rewritten instead
+    report = apply_fused_adaln(TinyDiT(), patterns=["dit.FinalLayer"])
+    assert report.counts() == {"dit.FinalLayer": 1, "idiom:DiTBlock": 2} and report.left_alone == []
     with pytest.raises(ValueError, match="unknown pattern.*'nope'"):
         apply_fused_adaln(model, patterns=["nope"])
     with pytest.raises(TypeError, match="torch.nn.Module"):
         apply_fused_adaln("not a model")
-    assert "diffusers.WanTransformerBlock" in PATTERN_NAMES
+    assert "diffusers.WanTransformerBlock" in surgery.PATTERN_NAMES
 
 
 def swapped_modulate(x, shift, scale):  # a DiT copy with shift and scale exchanged
@@ -189,15 +176,31 @@ def test_unrecognised_variants_are_left_alone(monkeypatch):
     assert (name, cls) == ("0", "OverriddenBlock") and "not the code pattern" in reason
 
     monkeypatch.setattr(sys.modules[__name__], "modulate", swapped_modulate)
-    report = apply_fused_adaln(TinyDiT())
+    report = apply_fused_adaln(TinyDiT(), idioms=False)
     assert report.counts() == {}
     assert len(report.left_alone) == 3 and all("`modulate`" in r for _, _, r in report.left_alone)
+    # The idiom recogniser reads the swapped helper as what it is, an AdaLN with the roles of its
+    # arguments exchanged, and fuses it with the original's numerics.
+    torch.manual_seed(0)
+    report = check_fp32(TinyDiT(), dit_inputs(), expected_replaced=3)
+    assert report.counts() == {"idiom:DiTBlock": 2, "idiom:FinalLayer": 1}
 
     block = DiTBlock(16, 2)
     block.norm1 = nn.LayerNorm(16, elementwise_affine=False, eps=1e-6)
     block.norm1.register_forward_hook(lambda *args: None)
-    report = apply_fused_adaln(block)
+    report = apply_fused_adaln(block, idioms=False)
     assert report.num_replaced == 0 and "forward hooks" in report.left_alone[0][2]
+    report = apply_fused_adaln(block)  # the idiom pass fuses only the site whose norm has no hook
+    (pattern, modules), = report.replaced.items()
+    assert pattern.startswith("idiom:DiTBlock (lines ") and modules == [""]
+    assert report.sites[pattern] == [f"line {_line_of('self.norm2(x), shift_mlp')}: "
+                                     "modulate(self.norm2(x), shift_mlp, scale_mlp)"]
+    assert "modulate(self.norm1(x), shift_msa, scale_msa): norm1 has forward hooks" in report.left_alone[0][2]
+
+
+def _line_of(text: str, path: str | Path = __file__) -> int:
+    """Line number of `text` in `path` (the report cites source lines)."""
+    return next(i for i, line in enumerate(Path(path).read_text().splitlines(), 1) if text in line)
 
 
 def test_model_without_adaln_is_untouched():
@@ -245,28 +248,75 @@ def test_compile_patched_block():
     assert rel_err(y, y_ref) <= 1e-5 and rel_err(x.grad, x_ref.grad) <= 1e-5
 
 
-# --- pattern 1: the project's example video DiT ------------------------------------------------
+# --- the project's example video DiT: its patterns through the public API, and the idioms ---------
 def test_video_dit_fp32_and_bf16():
-    check_fp32(tiny_video_dit(), video_dit_inputs(), expected_replaced=3)
-    check_bf16_noise(tiny_video_dit(), video_dit_inputs(), expected_replaced=3, mixed=True)
+    check_fp32(tiny_video_dit(), video_dit_inputs(), expected_replaced=3, extra_patterns=video_dit.VIDEO_DIT_PATTERNS)
+    check_bf16_noise(tiny_video_dit(), video_dit_inputs(), expected_replaced=3, mixed=True,
+                     extra_patterns=VIDEO_DIT_PATH)
 
 
 def test_video_dit_report_state_dict_idempotence():
     model = tiny_video_dit()
-    check_state_dict_round_trip(model)
-    check_idempotent(model)
-    report = apply_fused_adaln(model)
+    check_state_dict_round_trip(model, extra_patterns=VIDEO_DIT_PATH)
+    check_idempotent(model, extra_patterns=VIDEO_DIT_PATH)
+    report = apply_fused_adaln(model, extra_patterns=VIDEO_DIT_PATH)
     assert report.counts() == {"video_dit.DiTBlock": 2, "video_dit.Head": 1}
     assert model.blocks[1].forward.__func__ is video_dit.block_forward
 
 
+def test_video_dit_patterns_and_idioms_give_the_same_numerics():
+    """Without its patterns the example is fused by the idiom recogniser, through the same op calls:
+    outputs and gradients equal bit for bit, and the report says which path fused what."""
+    model = tiny_video_dit()
+    by_pattern, pattern_report = patched_copy(model, extra_patterns=video_dit.VIDEO_DIT_PATTERNS)
+    by_idiom, idiom_report = patched_copy(model)
+    assert idiom_report.counts() == {"idiom:DiTBlock": 2, "idiom:Head": 1}
+    assert pattern_report.counts() == {"video_dit.DiTBlock": 2, "video_dit.Head": 1}
+    model_file = Path(video_dit.__file__).with_name("model.py")
+    assert idiom_report.sites["idiom:DiTBlock"] == [
+        f"line {_line_of('self.norm1(x.to(acc))', model_file)}: "
+        "(self.norm1(x.to(acc)) * (1 + scale_msa) + shift_msa).type_as(x)",
+        f"line {_line_of('self.norm2(x.to(acc))', model_file)}: "
+        "(self.norm2(x.to(acc)) * (1 + scale_ffn) + shift_ffn).type_as(x)",
+    ]
+    outs_p, grads_p = run(by_pattern, video_dit_inputs())
+    outs_i, grads_i = run(by_idiom, video_dit_inputs())
+    assert all(torch.equal(a, b) for a, b in zip(outs_p, outs_i, strict=True))
+    assert grads_p.keys() == grads_i.keys() and all(torch.equal(grads_p[k], grads_i[k]) for k in grads_p)
+    assert set(idiom_report.verification.values()) == {"verified on its first call (float32 outputs)"}
 
-def test_video_dit_head_broadcast_time_embedding_falls_back_exactly():
+
+def test_pattern_api_registration_and_import_paths(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # registrations undone after the test
+    assert "video_dit.DiTBlock" not in surgery.PATTERN_NAMES
+    assert registry.register_adaln_patterns(VIDEO_DIT_PATH) == ["video_dit.DiTBlock", "video_dit.Head"]
+    assert registry.register_adaln_patterns(video_dit.VIDEO_DIT_PATTERNS) == []  # the same objects again: no-op
+    assert {"video_dit.DiTBlock", "video_dit.Head"} <= set(surgery.PATTERN_NAMES)  # read at access, not at import
+    report = apply_fused_adaln(tiny_video_dit(), idioms=False)  # registered: used without extra_patterns
+    assert report.counts() == {"video_dit.DiTBlock": 2, "video_dit.Head": 1}
+    impostor = core.AdaLNPattern("video_dit.Head", "Head", video_dit.head_forward, {"0": "nowhere"}, lambda m: None)
+    with pytest.raises(ValueError, match="two different AdaLN patterns are named 'video_dit.Head'"):
+        registry.register_adaln_patterns(impostor)
+    with pytest.raises(ValueError, match="two different AdaLN patterns are named 'video_dit.Head'"):
+        apply_fused_adaln(tiny_video_dit(), extra_patterns=[impostor])
+    with pytest.raises(ValueError, match="has no 'NOPE'"):
+        apply_fused_adaln(tiny_video_dit(), extra_patterns="examples.video_dit.surgery.NOPE")
+    with pytest.raises(TypeError, match="names a str, not an AdaLNPattern"):
+        registry.resolve_patterns("examples.video_dit.surgery.CHECKED_AT")
+    with pytest.raises(ValueError, match="not an importable"):
+        registry.resolve_patterns("no_such_package.PATTERNS")
+    with pytest.raises(ValueError, match="checked must be a non-empty dict"):
+        core.AdaLNPattern("x", "X", video_dit.head_forward, {}, lambda m: None)
+
+
+
+@pytest.mark.parametrize("by", ["pattern", "idiom"])
+def test_video_dit_head_broadcast_time_embedding_falls_back_exactly(by):
     head = tiny_video_dit().head
-    patched, _ = patched_copy(head)
+    patched, _ = patched_copy(head, extra_patterns=video_dit.VIDEO_DIT_PATTERNS if by == "pattern" else None)
     gen = torch.Generator().manual_seed(4)
     x, time_emb = torch.randn(2, 6, 48, generator=gen), torch.randn(1, 48, generator=gen)
-    with pytest.warns(RuntimeWarning, match=r"eager fallback for shift of shape \(1, 1, 48\)"):
+    with pytest.warns(RuntimeWarning, match=r"eager fallback (at Head.forward line \d+ )?for shift of shape \(1, 1, 48\)"):
         out = patched(x, time_emb)
     assert torch.equal(out, head(x, time_emb))
 
@@ -289,13 +339,28 @@ def _trainer(tmp_path, callback, logger=False):
 
 def test_callback_fuses_in_setup(tmp_path):
     module = VideoDiTModule(**TINY)
-    callback = FusedAdaLNSurgery(require_replacement=True)
+    callback = FusedAdaLNSurgery(extra_patterns=[VIDEO_DIT_PATH], require_replacement=True)
     trainer = _trainer(tmp_path, callback, logger=CSVLogger(tmp_path))
     trainer.fit(module, train_dataloaders=_loader())
     assert callback.report.counts() == {"video_dit.DiTBlock": 2, "video_dit.Head": 1}
     assert module.dit.blocks[0].forward.__func__ is video_dit.block_forward
     saved = json.loads((Path(trainer.log_dir) / "fused_adaln_surgery.json").read_text())
     assert saved["replaced"] == callback.report.replaced
+
+
+def test_callback_idioms_report_first_call_checks(tmp_path):
+    """Without patterns the callback fuses the example by idiom; after the first batch its JSON
+    holds every block's first-call verification."""
+    module = VideoDiTModule(**TINY)
+    callback = FusedAdaLNSurgery(require_replacement=True)
+    trainer = _trainer(tmp_path, callback, logger=CSVLogger(tmp_path))
+    trainer.fit(module, train_dataloaders=_loader())
+    assert callback.report.counts() == {"idiom:DiTBlock": 2, "idiom:Head": 1}
+    saved = json.loads((Path(trainer.log_dir) / "fused_adaln_surgery.json").read_text())
+    assert saved["verification"] == {name: "verified on its first call (float32 outputs)"
+                                     for name in ("dit.blocks.0", "dit.blocks.1", "dit.head")}
+    with pytest.raises(ValueError, match="AdaLN pattern path 'examples.nope.X'"):
+        FusedAdaLNSurgery(extra_patterns=["examples.nope.X"])
 
 
 def test_callback_require_replacement_flags_configure_model_builds(tmp_path):
@@ -312,4 +377,4 @@ def test_surgery_inside_configure_model(tmp_path):
 
     module = Module(**TINY, build_in_configure_model=True)
     _trainer(tmp_path, FusedAdaLNSurgery()).fit(module, train_dataloaders=_loader())
-    assert module.dit.head.forward.__func__ is video_dit.head_forward
+    assert module.dit.head.forward.__func__._fused_adaln_name == "idiom:Head"

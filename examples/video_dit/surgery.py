@@ -1,16 +1,23 @@
-"""The project's example Wan-2.1-style blocks (examples/video_dit/model.py: `DiTBlock`, `Head`).
+"""Fused-AdaLN patterns for the example's blocks (examples/video_dit/model.py: `DiTBlock`, `Head`),
+registered through the public pattern API, as a user would for their own model:
 
-They modulate like Wan 2.1: `(norm(x.to(acc)) * (1 + scale) + shift).type_as(x)` with
+    apply_fused_adaln(model, extra_patterns=VIDEO_DIT_PATTERNS)
+    FusedAdaLNSurgery(extra_patterns=["examples.video_dit.surgery.VIDEO_DIT_PATTERNS"])   # YAML too
+
+The blocks modulate like Wan 2.1: `(norm(x.to(acc)) * (1 + scale) + shift).type_as(x)` with
 acc = promote(x.dtype, fp32) and fp32 (B, 1, D) chunks of `modulation + e`, autocast disabled.
 For bf16/fp16/fp32 x that is the fused op's math exactly (fp32, one cast back); fp64 x (acc is
-fp64) runs the original forward.
+fp64) runs the original forward. The idiom recogniser fuses these blocks without the patterns
+too, with the same numerics (tests/surgery/test_surgery.py); the patterns are the fast path and
+pin the exact code: an edit of `DiTBlock.forward` or `Head.forward` changes its fingerprint and
+the blocks are left to the recogniser until the copies below are updated.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from lightning_adaptiveload.surgery.core import Pattern, fused_modulate_fp32, layer_norms_check, run_original, upcast_fallback_reason
+from lightning_adaptiveload.surgery import AdaLNPattern, fused_modulate_fp32, layer_norms_check, run_original, upcast_fallback_reason
 
 CHECKED_AT = "examples/video_dit/model.py @ 7aeea50"
 
@@ -49,6 +56,14 @@ def head_forward(self: nn.Module, x: Tensor, time_emb: Tensor) -> Tensor:
     return self.head(h)
 
 
-VIDEO_DIT_BLOCK = Pattern("video_dit.DiTBlock", "DiTBlock", block_forward, {"d2ecd3e5fad7b2f0": CHECKED_AT}, layer_norms_check("norm1", "norm2"))
-VIDEO_DIT_HEAD = Pattern("video_dit.Head", "Head", head_forward, {"0257aa74e9be067c": CHECKED_AT}, layer_norms_check("norm"))
-PATTERNS = [VIDEO_DIT_BLOCK, VIDEO_DIT_HEAD]
+VIDEO_DIT_BLOCK = AdaLNPattern(
+    name="video_dit.DiTBlock", class_name="DiTBlock", fused_forward=block_forward,
+    checked={"d2ecd3e5fad7b2f0": CHECKED_AT},  # fingerprint of DiTBlock.forward -> where it was checked
+    check=layer_norms_check("norm1", "norm2"),  # why an instance cannot be fused, or None
+)
+VIDEO_DIT_HEAD = AdaLNPattern(
+    name="video_dit.Head", class_name="Head", fused_forward=head_forward,
+    checked={"0257aa74e9be067c": CHECKED_AT},
+    check=layer_norms_check("norm"),
+)
+VIDEO_DIT_PATTERNS = [VIDEO_DIT_BLOCK, VIDEO_DIT_HEAD]

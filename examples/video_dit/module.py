@@ -16,14 +16,23 @@ class VideoDiTModule(L.LightningModule):
     build_in_configure_model: build the network in `configure_model` instead of `__init__`
     (under FSDP Lightning then creates it inside the strategy's init context). Module surgery
     callbacks that run in `setup()` see no blocks in that case.
+    compile: regional compilation of every transformer block in `configure_model` (after
+    `FusedAdaLNSurgery`, which runs in `setup()`): "dynamic" (`block.compile(dynamic=True)`, one
+    graph for many bucket shapes: the recommended one, docs/lightning.md "Compiled training"),
+    "auto" (torch's default: static, then dynamic after a recompile), "static" (a graph per shape),
+    or None (eager).
     """
+
+    COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}
 
     def __init__(self, in_channels: int = 16, dim: int = 1536, num_layers: int = 30, num_heads: int = 12,
                  ffn_dim: int = 8960, text_dim: int = 4096, freq_dim: int = 256,
                  patch: tuple[int, int, int] = (1, 2, 2), activation_checkpointing: bool = False,
-                 build_in_configure_model: bool = False, lr: float = 1e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999)):
+                 build_in_configure_model: bool = False, compile: str | None = None, lr: float = 1e-4,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)):
         super().__init__()
+        if compile is not None and compile not in self.COMPILE_MODES:
+            raise ValueError(f"VideoDiTModule: compile must be one of {sorted(self.COMPILE_MODES)} or None, got {compile!r}")
         self.save_hyperparameters()
         self.config = DiTConfig(in_channels=in_channels, out_channels=in_channels, dim=dim, num_layers=num_layers,
                                 num_heads=num_heads, ffn_dim=ffn_dim, text_dim=text_dim, freq_dim=freq_dim,
@@ -33,6 +42,11 @@ class VideoDiTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.dit is None:  # Lightning may call this hook more than once
             self.dit = VideoDiT(self.config)
+        mode = self.hparams.compile
+        if mode is not None:
+            for block in self.dit.blocks:
+                if getattr(block, "_compiled_call_impl", None) is None:
+                    block.compile(dynamic=self.COMPILE_MODES[mode])
 
     def training_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
         """{"loss": the loss to backpropagate (rescaled, see below), "local_loss": this rank's

@@ -288,3 +288,21 @@ def test_gradient_clipping_by_norm_under_fsdp_goes_to_fsdp(monkeypatch, fsdp, al
     module.configure_gradient_clipping(None, 0.7, algorithm)
     assert (wrapped.clipped if fsdp else []) == ([0.7] if routed_to_fsdp else [])
     assert lightning_calls == ([] if routed_to_fsdp else [(0.7, algorithm)])
+
+
+def test_compile_option_compiles_every_block_once_in_configure_model():
+    from examples.video_dit.module import VideoDiTModule
+    from lightning_adaptiveload.calibration.compiled import compiled_submodules
+
+    tiny = dict(in_channels=4, dim=32, num_layers=2, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
+    eager = VideoDiTModule(**tiny)
+    eager.configure_model()
+    assert compiled_submodules(eager) == []
+    module = VideoDiTModule(**tiny, compile="dynamic")
+    module.configure_model()
+    first = [block._compiled_call_impl for block in module.dit.blocks]
+    module.configure_model()  # Lightning may call it again: nothing is compiled twice
+    assert [block._compiled_call_impl for block in module.dit.blocks] == first
+    assert compiled_submodules(module) == ["dit.blocks.0", "dit.blocks.1"]
+    with pytest.raises(ValueError, match="compile must be one of"):
+        VideoDiTModule(**tiny, compile="fast")

@@ -135,6 +135,7 @@ std::pair<int64_t, int64_t> mod_strides(const at::Tensor& t) { return {t.stride(
 std::vector<at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                        const std::optional<at::Tensor>& weight_opt,
                                        const std::optional<at::Tensor>& bias_opt, double eps) {
+  TORCH_CHECK(x.is_cuda(), "adaln: x must be a CUDA tensor, got device ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
   const at::Tensor weight = weight_opt.value_or(at::Tensor());
@@ -191,6 +192,7 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
                                        const std::optional<at::Tensor>& weight_opt,
                                        const std::optional<at::Tensor>& bias_opt, const at::Tensor& mean,
                                        const at::Tensor& rstd) {
+  TORCH_CHECK(x.is_cuda(), "adaln: x must be a CUDA tensor, got device ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
   const at::Tensor weight = weight_opt.value_or(at::Tensor());

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -117,12 +120,24 @@ bool all_vectorizable(std::initializer_list<const at::Tensor*> row_tensors,
   return true;
 }
 
-// Blocks of `kernel` that fit on the whole GPU at once (one wave).
+// Blocks of `kernel` that fit on the whole GPU at once (one wave). Cached per kernel, block size,
+// dynamic shared memory and device: the occupancy query is a driver call, and every backward
+// (and block-path forward) asked it again, on the host's critical path.
 template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int threads, size_t dynamic_smem = 0) {
+  using Key = std::tuple<const void*, int, size_t, c10::DeviceIndex>;
+  static std::mutex mutex;  // the autograd engine's device threads launch backward kernels too
+  static std::map<Key, int64_t> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), threads, dynamic_smem, c10::cuda::current_device()};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
-  return std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t blocks =
+      std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  cache.emplace(key, blocks);
+  return blocks;
 }
 
 const float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }

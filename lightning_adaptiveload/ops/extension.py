@@ -9,6 +9,7 @@ How to compile (sources, flags, archs, include dirs) is ops/_build.py's business
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # or editable install has them at the repository root.
 CSRC_DIR = find_csrc(PACKAGE_DIR)
 JIT_NAME = "adaptiveload_C_jit"  # module name in torch's extension cache
+JIT_CACHE_HIT_S = 10.0  # a JIT "build" faster than this only loaded the cached module (a compile takes ~1 min)
 
 _state: dict = {}
 
@@ -67,11 +69,11 @@ def jit_blocker() -> str | None:
 
 def prebuilt_extension() -> tuple[ModuleType | None, str]:
     """(lightning_adaptiveload._C, its path) if it imports, else (None, the import error)."""
-    try:
-        from lightning_adaptiveload import _C  # type: ignore[attr-defined]
+    try:  # import_module, not `from ... import _C`: it consults sys.modules, as tests rely on
+        module = importlib.import_module("lightning_adaptiveload._C")
     except ImportError as error:
         return None, str(error)
-    return _C, str(getattr(_C, "__file__", "lightning_adaptiveload._C"))
+    return module, str(getattr(module, "__file__", "lightning_adaptiveload._C"))
 
 
 def _find(progress: Callable[[str], None] | None) -> tuple[ModuleType | None, str]:
@@ -86,16 +88,18 @@ def _find(progress: Callable[[str], None] | None) -> tuple[ModuleType | None, st
     blocker = jit_blocker()
     if blocker is not None:
         return None, f"reference: {missing} and no JIT build possible: {blocker}"
-    if progress:
-        progress(f"compiling the AdaLN CUDA extension from {CSRC_DIR} (JIT, cached by torch.utils.cpp_extension; "
-                 "a first build takes minutes, `adaptiveload build-ext` does it ahead of time) ...")
+    if progress:  # torch decides whether its cached build is current only inside the build call
+        progress(f"JIT-building the AdaLN CUDA extension from {CSRC_DIR}, or loading it from torch's extension "
+                 "cache if it is current (compiling takes minutes; `adaptiveload build-ext` does it ahead of time) ...")
     start = time.perf_counter()
     try:
         module = jit_build()
     except Exception as error:  # a failed build must not take training down
         return None, f"reference: JIT build failed: {error}"
     if progress:
-        progress(f"AdaLN CUDA extension ready after {time.perf_counter() - start:.1f} s: {module.__file__}")
+        seconds = time.perf_counter() - start
+        done = "compiled" if seconds > JIT_CACHE_HIT_S else "loaded from the cache"
+        progress(f"AdaLN CUDA extension {done} in {seconds:.1f} s: {module.__file__}")
     return module, f"cuda: JIT-built from {CSRC_DIR} (cached by torch.utils.cpp_extension)"
 
 
@@ -118,8 +122,9 @@ def ensure_extension(verbose: bool = True) -> str:
 
     Call it where a pause is expected (Lightning `setup`, the start of a script): without it
     the first CUDA call of the op would JIT-build the extension (minutes on a fresh machine)
-    inside whatever it is part of. With verbose, prints to stderr that it is compiling, how long
-    it took, and the backend. Cheap after the first call. CPU-only: returns the reference backend.
+    inside whatever it is part of. With verbose, prints to stderr that it JIT-builds (or loads
+    from torch's cache), whether it compiled and how long it took, and the backend. Cheap after
+    the first call. CPU-only: returns the reference backend.
     """
     def progress(message: str) -> None:
         print(f"lightning_adaptiveload.ops: {message}", file=sys.stderr, flush=True)

@@ -298,7 +298,10 @@ def test_ensure_extension_reports_the_kernels(capsys):
 
 
 def _is_cpp_node(y):
-    return "AdaLNFunction" in y.grad_fn.name()
+    node = y.grad_fn
+    if y.dim() == 2:  # 2-D x: the op's (1, N, D) output is viewed back as (N, D)
+        node = node.next_functions[0][0]
+    return "AdaLNFunction" in node.name()
 
 
 @pytest.mark.parametrize(
@@ -402,14 +405,19 @@ def test_activation_checkpointing_on_the_cpp_path():
     gen = torch.Generator(device="cuda").manual_seed(61)
     x = torch.randn(2, 256, 1536, generator=gen, device="cuda").bfloat16().requires_grad_()
     e = torch.randn(2, 6, 1536, generator=gen, device="cuda", requires_grad=True)
-    dy = torch.randn(2, 256, 1536, generator=gen, device="cuda").bfloat16()
+    dy = torch.randn(2, 256, 1536, generator=gen, device="cuda")  # f returns fp32
 
     def f(x, e):
         return adaln_modulate(x, *e.chunk(6, dim=1)[:2]).float().sin()
 
-    plain = torch.autograd.grad(f(x, e), (x, e), dy)
+    def grads(out):
+        x.grad = e.grad = None
+        out.backward(dy)  # reentrant checkpointing supports .backward() only
+        return x.grad, e.grad
+
+    plain = grads(f(x, e))
     for reentrant in (False, True):
-        ckpt = torch.autograd.grad(checkpoint(f, x, e, use_reentrant=reentrant), (x, e), dy)
+        ckpt = grads(checkpoint(f, x, e, use_reentrant=reentrant))
         assert all(torch.equal(a, b) for a, b in zip(plain, ckpt)), reentrant
 
 

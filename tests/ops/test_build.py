@@ -100,16 +100,18 @@ def _gpu_without_prebuilt(monkeypatch):
     monkeypatch.setattr(extension, "jit_blocker", lambda: None)
 
 
-def test_ensure_extension_jit_builds_once_with_progress_lines(monkeypatch, capsys):
+@pytest.mark.parametrize("cache_hit_s, done", [(10.0, "loaded from the cache in"), (-1.0, "compiled in")])
+def test_ensure_extension_jit_builds_once_with_progress_lines(monkeypatch, capsys, cache_hit_s, done):
     _gpu_without_prebuilt(monkeypatch)
+    monkeypatch.setattr(extension, "JIT_CACHE_HIT_S", cache_hit_s)
     builds = []
     built = types.SimpleNamespace(__file__="/cache/adaptiveload_C_jit/adaptiveload_C_jit.so")
     monkeypatch.setattr(extension, "jit_build", lambda: builds.append(1) or built)
     why = ops.ensure_extension()
     err = capsys.readouterr().err
     assert why.startswith("cuda: JIT-built from") and builds == [1]
-    assert "compiling the AdaLN CUDA extension" in err and "adaptiveload build-ext" in err
-    assert "ready after" in err and built.__file__ in err and f"AdaLN backend: {why}" in err
+    assert "JIT-building the AdaLN CUDA extension" in err and "adaptiveload build-ext" in err
+    assert done in err and built.__file__ in err and f"AdaLN backend: {why}" in err
     assert extension.load_extension() == (built, why) and ops.ensure_extension(verbose=False) == why
     assert builds == [1]  # decided once per process
 
@@ -124,7 +126,7 @@ def test_ensure_extension_survives_a_failed_build(monkeypatch, capsys):
     with pytest.warns(RuntimeWarning, match="CUDA tensors run the AdaLN reference: JIT build failed: nvcc fatal"):
         why = ops.ensure_extension()
     assert why.startswith("reference: JIT build failed: nvcc fatal")
-    assert "compiling the AdaLN CUDA extension" in capsys.readouterr().err
+    assert "JIT-building the AdaLN CUDA extension" in capsys.readouterr().err
 
 
 def test_jit_is_impossible_without_a_toolkit(monkeypatch):

@@ -1,6 +1,5 @@
-import json
+import importlib.util
 import os
-import site
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -8,12 +7,23 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 
 
+def load_build_module():
+    """lightning_adaptiveload/ops/_build.py (stdlib only), loaded by path: the package itself is
+    not importable before it is installed, and importing it would import torch a second time."""
+    spec = importlib.util.spec_from_file_location("_adaptiveload_build", ROOT / "lightning_adaptiveload" / "ops" / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cuda_extension_kwargs() -> dict:
     """ext_modules/cmdclass for lightning_adaptiveload._C, or {} (pure-Python install).
 
-    Built only when torch is a CUDA build, nvcc is found (CUDA_HOME) and
-    ADAPTIVELOAD_NO_CUDA_BUILD is unset. Flags and archs come from csrc/build_flags.json;
-    ADAPTIVELOAD_CUDA_ARCHS="90" (semicolon list) narrows the archs.
+    Built only when torch is importable and a CUDA build, nvcc is found (CUDA_HOME) and
+    ADAPTIVELOAD_NO_CUDA_BUILD is unset. pip's default build isolation hides the installed torch:
+    install with `pip install --no-build-isolation .` (docs/kernel.md). Sources, flags, archs
+    (ADAPTIVELOAD_CUDA_ARCHS) and include dirs come from lightning_adaptiveload/ops/_build.py,
+    shared with the JIT build.
     """
     if os.environ.get("ADAPTIVELOAD_NO_CUDA_BUILD"):
         print("lightning-adaptiveload: ADAPTIVELOAD_NO_CUDA_BUILD is set, installing pure Python")
@@ -22,23 +32,20 @@ def cuda_extension_kwargs() -> dict:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        print("lightning-adaptiveload: torch not importable at build time, installing pure Python")
+        print("lightning-adaptiveload: torch not importable at build time (pip build isolation? use "
+              "--no-build-isolation), installing pure Python")
         return {}
-    if torch.version.cuda is None or CUDA_HOME is None:
-        print(f"lightning-adaptiveload: no CUDA build (torch.version.cuda={torch.version.cuda}, "
-              f"CUDA_HOME={CUDA_HOME}), installing pure Python; the reference AdaLN path will run")
+    build = load_build_module()
+    why_not = build.why_no_cuda_build(torch.version.cuda, CUDA_HOME)
+    if why_not:
+        print(f"lightning-adaptiveload: {why_not}; installing pure Python, the reference AdaLN path will run")
         return {}
-    flags = json.loads((ROOT / "csrc" / "build_flags.json").read_text())
-    archs = os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", ";".join(flags["cuda_archs"])).split(";")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
-    # pip's CUDA-13 wheels keep the toolkit headers (cccl, cuda_runtime) under nvidia/cu13/include.
-    wheel_includes = [str(Path(p) / "nvidia" / "cu13" / "include") for p in site.getsitepackages()]
+    spec = build.build_spec(ROOT / "csrc")
     extension = CUDAExtension(
         name="lightning_adaptiveload._C",
-        sources=[f"csrc/{s}" for s in flags["sources"]],
-        include_dirs=[str(ROOT / "csrc")] + [p for p in wheel_includes if Path(p).is_dir()],
-        extra_compile_args={"cxx": flags["cxx"], "nvcc": flags["nvcc"] + gencode},
+        sources=[str(Path(s).relative_to(ROOT)) for s in spec.sources],  # setuptools wants relative paths
+        include_dirs=spec.include_dirs,
+        extra_compile_args={"cxx": spec.cxx_flags, "nvcc": spec.nvcc_flags},
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 

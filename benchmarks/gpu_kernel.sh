@@ -4,9 +4,11 @@
 #      ADAPTIVELOAD_CUDA_ARCHS says otherwise),
 #   2. tests/ops/test_adaln_cuda.py (fused vs fp64, determinism, torch.compile, FSDP) and, at the same
 #      time, compute-sanitizer memcheck + racecheck on small shapes of every kernel,
-#   3. benchmarks/adaln.py (alone on the GPU, for clean timings).
-# Logs and JSON go to $OUT (default benchmarks/results/gpu_kernel); copy kernel_gpu_tests.log and
-# adaln_h200.json into benchmarks/results/ and commit them. Exit status: 0 only if every stage passed.
+#   3. benchmarks/adaln_host.py --device cuda (host cost per call of the op layer, by design),
+#   4. benchmarks/adaln.py (alone on the GPU, for clean timings).
+# Logs and JSON go to $OUT (default benchmarks/results/gpu_kernel); copy kernel_gpu_tests.log,
+# adaln_host_gpu.json and adaln_h200.json into benchmarks/results/ and commit them. Exit status: 0
+# only if every stage passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu_kernel}
@@ -24,7 +26,7 @@ stage() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$summary"; }
 stage "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1); $("$CUDA_HOME/bin/nvcc" --version | tail -1)"
 stage "python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)')"
 
-stage "1/3 build (archs $ADAPTIVELOAD_CUDA_ARCHS)"
+stage "1/4 build (archs $ADAPTIVELOAD_CUDA_ARCHS)"
 if ! timeout 300 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   grep -E "error" "$OUT/build.log" | head -30 | tee -a "$summary"
   stage "build FAILED (see build.log); nothing else can run"
@@ -33,7 +35,7 @@ fi
 stage "build ok; compiler warnings in csrc: $(grep -cE "csrc/adaln[a-z_]*\.(cu|cuh|cpp|h)[:(].*warning" "$OUT/build.log")"
 python3 -c "import lightning_adaptiveload.ops as o; print('backend:', o.backend())" 2>&1 | tee -a "$summary"
 
-stage "2/3 GPU tests + compute-sanitizer (in parallel)"
+stage "2/4 GPU tests + compute-sanitizer (in parallel)"
 timeout 300 python3 -m pytest -v -p no:cacheprovider -m cuda tests/ops/test_adaln_cuda.py >"$OUT/kernel_gpu_tests.log" 2>&1 &
 tests_pid=$!
 
@@ -101,8 +103,14 @@ if wait $san_pid; then stage "compute-sanitizer memcheck + racecheck clean"; els
 fi
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tee -a "$summary"
 
+stage "3/4 host cost benchmark"
+if ! timeout 120 python3 benchmarks/adaln_host.py --device cuda --out "$OUT/adaln_host_gpu.json" 2>&1 | tee "$OUT/host_benchmark.log"; then
+  status=1
+  stage "host cost benchmark FAILED or timed out"
+fi
+
 left=$((DEADLINE - SECONDS))
-stage "3/3 benchmark (${left}s left)"
+stage "4/4 benchmark (${left}s left)"
 if ! timeout "$left" python3 benchmarks/adaln.py --out "$OUT/adaln_h200.json" 2>&1 | tee "$OUT/benchmark.log"; then
   status=1
   stage "benchmark FAILED or timed out"

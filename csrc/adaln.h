@@ -1,5 +1,5 @@
-// Host entry points of the fused AdaLN kernels (canonical layout, validated by the caller:
-// see adaln_bindings.cpp). Shapes: x, dy (B, N, D) contiguous; shift/scale (B, M, D), M in
+// Host entry points of the fused AdaLN kernels (canonical layout; shapes, layouts, dtypes and
+// devices validated by the caller, see adaln_bindings.cpp; these check that x is on CUDA). Shapes: x, dy (B, N, D) contiguous; shift/scale (B, M, D), M in
 // {1, N}, unit inner stride; weight/bias (D,) fp32 contiguous or empty optionals.
 #pragma once
 

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -117,12 +120,24 @@ bool all_vectorizable(std::initializer_list<const at::Tensor*> row_tensors,
   return true;
 }
 
-// Blocks of `kernel` that fit on the whole GPU at once (one wave).
+// Blocks of `kernel` that fit on the whole GPU at once (one wave). Cached per kernel, block size,
+// dynamic shared memory and device: the occupancy query is a driver call, and every backward
+// (and block-path forward) asked it again, on the host's critical path.
 template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int threads, size_t dynamic_smem = 0) {
+  using Key = std::tuple<const void*, int, size_t, c10::DeviceIndex>;
+  static std::mutex mutex;  // the autograd engine's device threads launch backward kernels too
+  static std::map<Key, int64_t> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), threads, dynamic_smem, c10::cuda::current_device()};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
-  return std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t blocks =
+      std::max(1, per_sm) * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  cache.emplace(key, blocks);
+  return blocks;
 }
 
 const float* opt_ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -135,6 +150,7 @@ std::pair<int64_t, int64_t> mod_strides(const at::Tensor& t) { return {t.stride(
 std::vector<at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale,
                                        const std::optional<at::Tensor>& weight_opt,
                                        const std::optional<at::Tensor>& bias_opt, double eps) {
+  TORCH_CHECK(x.is_cuda(), "adaln: x must be a CUDA tensor, got device ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
   const at::Tensor weight = weight_opt.value_or(at::Tensor());
@@ -191,6 +207,7 @@ std::vector<at::Tensor> adaln_bwd_cuda(const at::Tensor& dy, const at::Tensor& x
                                        const std::optional<at::Tensor>& weight_opt,
                                        const std::optional<at::Tensor>& bias_opt, const at::Tensor& mean,
                                        const at::Tensor& rstd) {
+  TORCH_CHECK(x.is_cuda(), "adaln: x must be a CUDA tensor, got device ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(2), rows = batch * seq;
   const at::Tensor weight = weight_opt.value_or(at::Tensor());

@@ -37,7 +37,7 @@ import torch  # loads libtorch/c10 first, as the package does
 spec = importlib.util.spec_from_file_location("lightning_adaptiveload._C", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-missing = [f for f in ("adaln_fwd", "adaln_bwd") if not hasattr(module, f)]
+missing = [f for f in ("adaln_fwd", "adaln_bwd", "adaln_eager") if not hasattr(module, f)]
 sys.exit(f"check_cuda_build: {sys.argv[1]} lacks {missing}" if missing else 0)
 PY
 echo "check_cuda_build: OK, $(basename "$so") ($(du -h "$so" | cut -f1)) built and imported in $((SECONDS - start)) s"

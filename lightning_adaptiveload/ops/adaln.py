@@ -5,9 +5,13 @@
 `adaptiveload::adaln_fwd` / `adaptiveload::adaln_bwd` take the canonical layout documented in
 ops/reference.py; `adaln_modulate` validates user input and brings it into that layout with
 views only. On CUDA the compiled kernels run when ops.extension finds them, else the reference.
+In eager mode on CUDA, `adaln_modulate` calls the extension's C++ autograd function instead of
+the custom op (same kernels; the custom op's Python autograd layer cost more host time than the
+kernels take at training shapes); torch.compile and every tracer still see the custom op.
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -102,20 +106,84 @@ def _backward(ctx, dy, _dmean, _drstd):
 adaln_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _as_batch_rows(t: Tensor, name: str, x_shape: tuple[int, ...], batch: int, seq: int, dim: int) -> Tensor:
+def _as_batch_rows(t: Tensor, name: str, x: Tensor, batch: int, seq: int, dim: int) -> Tensor:
     """View shift/scale as (B, M, D), M in {1, N}; error names the argument otherwise."""
-    allowed = [(batch, dim), (batch, 1, dim), (batch, seq, dim)] if len(x_shape) == 3 else [(dim,), (1, dim), (seq, dim)]
-    if tuple(t.shape) not in allowed:
-        raise ValueError(
-            f"adaln_modulate: {name} has shape {tuple(t.shape)}, expected one of {allowed} for x of shape {x_shape}"
-        )
-    if len(x_shape) == 2:
-        t = t.unsqueeze(0) if t.dim() == 2 else t.view(1, 1, dim)
-    elif t.dim() == 2:
-        t = t.unsqueeze(1)
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    shape = t.shape
+    if x.dim() == 3:
+        if shape != (batch, 1, dim) and shape != (batch, seq, dim):
+            if shape != (batch, dim):
+                _bad_modulation_shape(t, name, x, [(batch, dim), (batch, 1, dim), (batch, seq, dim)])
+            t = t.unsqueeze(1)
+    elif shape == (dim,) or shape == (1, dim):
+        t = t.view(1, 1, dim)
+    elif shape == (seq, dim):
+        t = t.unsqueeze(0)
+    else:
+        _bad_modulation_shape(t, name, x, [(dim,), (1, dim), (seq, dim)])
+    if dim > 1 and t.stride(-1) != 1:
         raise ValueError(f"adaln_modulate: {name} must have unit stride in its last dim, got strides {t.stride()}")
     return t
+
+
+def _bad_modulation_shape(t: Tensor, name: str, x: Tensor, allowed: list[tuple[int, ...]]) -> None:
+    raise ValueError(
+        f"adaln_modulate: {name} has shape {tuple(t.shape)}, expected one of {allowed} for x of shape {tuple(x.shape)}"
+    )
+
+
+def _check_tensor(t: object, name: str, x: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"adaln_modulate: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"adaln_modulate: {name} has dtype {t.dtype}, expected one of {FLOAT_DTYPES}")
+    if t.device != x.device:
+        raise ValueError(f"adaln_modulate: {name} is on {t.device} but x is on {x.device}")
+
+
+def _canonical_args(
+    x: Tensor, shift: Tensor, scale: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, float]:
+    """Validate adaln_modulate's arguments and view them in the ops' canonical layout (ops/reference.py):
+    x (B, N, D), shift/scale (B, M, D) of one dtype (x.dtype or fp32), weight/bias fp32, eps a float.
+
+    Views and dtype casts only; every check runs before any kernel. Costs a few microseconds per
+    call (benchmarks/adaln_host.py), so it is kept to what a wrong call would otherwise get wrong.
+    """
+    _check_tensor(x, "x", x)
+    _check_tensor(shift, "shift", x)
+    _check_tensor(scale, "scale", x)
+    ndim = x.dim()
+    if ndim != 3 and ndim != 2:
+        raise ValueError(f"adaln_modulate: x must be (B, N, D) or (N, D), got shape {tuple(x.shape)}")
+    dim = x.shape[-1]
+    if dim < 1:
+        raise ValueError(f"adaln_modulate: x must have a last dim (D) >= 1, got shape {tuple(x.shape)}")
+    if dim > 1 and x.stride(-1) != 1:
+        raise ValueError(f"adaln_modulate: x must have unit stride in its last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+    if not eps > 0:
+        raise ValueError(f"adaln_modulate: eps must be > 0, got {eps}")
+    params = []
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            _check_tensor(p, name, x)
+            if p.shape != (dim,):
+                raise ValueError(f"adaln_modulate: {name} has shape {tuple(p.shape)}, expected ({dim},) for x of shape {tuple(x.shape)}")
+            if p.dtype != torch.float32:
+                p = p.float()
+        params.append(p)
+    batch, seq = (x.shape[0], x.shape[1]) if ndim == 3 else (1, x.shape[0])
+    shift3 = _as_batch_rows(shift, "shift", x, batch, seq, dim)
+    scale3 = _as_batch_rows(scale, "scale", x, batch, seq, dim)
+    if shift3.shape != scale3.shape:
+        raise ValueError(f"adaln_modulate: shift {tuple(shift.shape)} and scale {tuple(scale.shape)} must have the same shape")
+    if shift3.dtype != scale3.dtype or (shift3.dtype != x.dtype and shift3.dtype != torch.float32):
+        shift3, scale3 = shift3.float(), scale3.float()
+    return x if ndim == 3 else x.unsqueeze(0), shift3, scale3, params[0], params[1], float(eps)
+
+
+def _eager_kernels(x: Tensor) -> ModuleType | None:
+    """The compiled extension when a call on x may take its C++ autograd path, else None."""
+    return load_extension()[0] if x.is_cuda else None
 
 
 def adaln_modulate(
@@ -135,46 +203,27 @@ def adaln_modulate(
     weight, bias: (D,) LayerNorm affine parameters or None; used in fp32.
     With fp32 shift/scale and bf16 x this equals Wan 2.1's
     `(norm_fp32(x.float()) * (1 + scale) + shift).type_as(x)` up to fp32 summation order.
+
+    Two routes with the same kernels and results: in eager mode on CUDA with the extension, the
+    extension's C++ autograd function (no Python in forward or backward beyond this call);
+    under torch.compile/export, tracers, dispatch modes, tensor subclasses or functorch
+    transforms (and on CPU), the `adaptiveload::adaln_fwd` custom op with its fake kernel.
     """
-    for name, t in (("x", x), ("shift", shift), ("scale", scale), ("weight", weight), ("bias", bias)):
-        if t is None and name in ("weight", "bias"):
-            continue
-        if not isinstance(t, Tensor):
-            raise ValueError(f"adaln_modulate: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"adaln_modulate: {name} has dtype {t.dtype}, expected one of {FLOAT_DTYPES}")
-        if t.device != x.device:
-            raise ValueError(f"adaln_modulate: {name} is on {t.device} but x is on {x.device}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"adaln_modulate: x must be (B, N, D) or (N, D), got shape {tuple(x.shape)}")
-    if x.shape[-1] < 1:
-        raise ValueError(f"adaln_modulate: x must have a last dim (D) >= 1, got shape {tuple(x.shape)}")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"adaln_modulate: x must have unit stride in its last dim, got shape {tuple(x.shape)} strides {x.stride()}")
-    if not eps > 0:
-        raise ValueError(f"adaln_modulate: eps must be > 0, got {eps}")
-    x_shape = tuple(x.shape)
-    dim = x_shape[-1]
-    batch, seq = (x_shape[0], x_shape[1]) if x.dim() == 3 else (1, x_shape[0])
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (dim,):
-            raise ValueError(f"adaln_modulate: {name} has shape {tuple(p.shape)}, expected ({dim},) for x of shape {x_shape}")
-    shift3 = _as_batch_rows(shift, "shift", x_shape, batch, seq, dim)
-    scale3 = _as_batch_rows(scale, "scale", x_shape, batch, seq, dim)
-    if shift3.shape != scale3.shape:
-        raise ValueError(f"adaln_modulate: shift {tuple(shift.shape)} and scale {tuple(scale.shape)} must have the same shape")
-    if shift3.dtype != scale3.dtype or shift3.dtype not in (x.dtype, torch.float32):
-        shift3, scale3 = shift3.float(), scale3.float()
-    x3 = x if x.dim() == 3 else x.unsqueeze(0)
-    y, _mean, _rstd = torch.ops.adaptiveload.adaln_fwd(
-        x3, shift3, scale3, None if weight is None else weight.float(), None if bias is None else bias.float(), float(eps)
-    )
-    return y.view(x_shape)
+    args = _canonical_args(x, shift, scale, weight, bias, eps)
+    y = None
+    if not torch.compiler.is_compiling():
+        ext = _eager_kernels(x)
+        if ext is not None:
+            y = ext.adaln_eager(*args)  # None when the dispatcher must see the op
+    if y is None:
+        y = torch.ops.adaptiveload.adaln_fwd(*args)[0]
+    return y if x.dim() == 3 else y.view(x.shape)
 
 
 def backend() -> str:
     """Which implementation CUDA tensors use and why, e.g. 'cuda: prebuilt extension ...'.
 
-    CPU tensors always run the reference. Calling this may trigger the one-time JIT build.
+    CPU tensors always run the reference. Calling this may trigger the one-time JIT build
+    (silently; `ensure_extension()` does the same with progress lines).
     """
     return load_extension()[1]

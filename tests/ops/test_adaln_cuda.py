@@ -286,3 +286,162 @@ def test_inside_fsdp_with_bf16_mixed_precision():
             assert rel_err(grads[name], p.grad) <= 5e-2, name
     finally:
         dist.destroy_process_group()
+
+
+# The eager path: adaln_modulate calls the extension's C++ autograd function (adaln_eager); the
+# torch.library custom op serves torch.compile, tracers and dispatch modes. Same kernels on both.
+
+
+def test_ensure_extension_reports_the_kernels(capsys):
+    assert ops.ensure_extension().startswith("cuda:")
+    assert "AdaLN backend: cuda:" in capsys.readouterr().err
+
+
+def _is_cpp_node(y):
+    node = y.grad_fn
+    if y.dim() == 2:  # 2-D x: the op's (1, N, D) output is viewed back as (N, D)
+        node = node.next_functions[0][0]
+    return "AdaLNFunction" in node.name()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (2, 777, 1536, torch.bfloat16, "per_sample", torch.float32, False),
+        (2, 300, 5120, torch.float16, "per_sample_2d", torch.float16, True),
+        (3, 100, 17, torch.float32, "per_token", torch.float32, True),
+        (2, 4097, 1536, torch.bfloat16, "misaligned", torch.bfloat16, False),
+    ],
+    ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c),
+)
+def test_cpp_autograd_path_matches_fp64_and_equals_the_custom_op_bitwise(case, monkeypatch):
+    from lightning_adaptiveload.ops import adaln
+
+    batch, seq, dim, x_dtype, mod_kind, mod_dtype, affine = case
+    gen = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    x, leaf, views, weight, bias = make_inputs(batch, seq, dim, x_dtype, mod_kind, mod_dtype, affine, gen)
+    dy = torch.randn(batch, seq, dim, generator=gen, device="cuda").to(x_dtype)
+    y, grads = run_fused(x, leaf, views, weight, bias, dy)
+    assert _is_cpp_node(y)
+    y_ref, grads_ref = run_reference(x, leaf, views, weight, bias, dy)
+    errors = [rel_err(y, y_ref)] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+    assert all(e <= TOL[x_dtype] for e in errors), errors
+    monkeypatch.setattr(adaln, "_eager_kernels", lambda x: None)  # force the custom op
+    y_op, grads_op = run_fused(x, leaf, views, weight, bias, dy)
+    assert not _is_cpp_node(y_op)
+    assert torch.equal(y, y_op) and all(torch.equal(a, b) for a, b in zip(grads, grads_op))
+
+
+def test_cpp_autograd_path_2d_x():
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    x = torch.randn(300, 1536, generator=gen, device="cuda").bfloat16().requires_grad_()
+    shift, scale = (torch.randn(1536, generator=gen, device="cuda").requires_grad_() for _ in range(2))
+    y = adaln_modulate(x, shift, scale)
+    assert y.shape == x.shape and _is_cpp_node(y)
+    dy = torch.randn_like(x)
+    grads = torch.autograd.grad(y, (x, shift, scale), dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, shift, scale)]
+    ref = F.layer_norm(leaves[0], (1536,), eps=1e-6) * (1 + leaves[2]) + leaves[1]
+    grads_ref = torch.autograd.grad(ref, leaves, dy.double())
+    assert rel_err(y, ref) <= 1e-2 and all(rel_err(g, r) <= 1e-2 for g, r in zip(grads, grads_ref))
+
+
+def test_compiled_fullgraph_and_eager_cpp_path_match_fp64():
+    """Values and every gradient, eager (C++ autograd) and torch.compile(fullgraph=True) (custom op)."""
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(47)
+    dim = 1536
+    x = torch.randn(2, 2048, dim, generator=gen, device="cuda").bfloat16()
+    e = 0.5 * torch.randn(2, 6, dim, generator=gen, device="cuda")
+    w, b = 1 + 0.3 * torch.randn(dim, generator=gen, device="cuda"), 0.3 * torch.randn(dim, generator=gen, device="cuda")
+    dy = torch.randn(x.shape, generator=gen, device="cuda").bfloat16()
+
+    def f(x, e, w, b):
+        shift, scale = e.chunk(6, dim=1)[:2]
+        return adaln_modulate(x, shift, scale, w, b)
+
+    leaves_ref = [t.detach().double().requires_grad_() for t in (x, e, w, b)]
+    shift, scale = leaves_ref[1].chunk(6, dim=1)[:2]
+    ref = F.layer_norm(leaves_ref[0], (dim,), leaves_ref[2], leaves_ref[3], 1e-6) * (1 + scale) + shift
+    grads_ref = torch.autograd.grad(ref, leaves_ref, dy.double())
+    for fn in (f, torch.compile(f, fullgraph=True)):  # fullgraph: a graph break would raise
+        leaves = [t.detach().clone().requires_grad_() for t in (x, e, w, b)]
+        y = fn(*leaves)
+        assert _is_cpp_node(y) == (fn is f)
+        grads = torch.autograd.grad(y, leaves, dy)
+        errors = [rel_err(y, ref)] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+        assert all(err <= 1e-2 for err in errors), (fn, errors)
+
+
+def test_create_graph_then_double_backward_raises():
+    gen = torch.Generator(device="cuda").manual_seed(53)
+    x = torch.randn(2, 64, 256, generator=gen, device="cuda", requires_grad=True)
+    e = torch.randn(2, 6, 256, generator=gen, device="cuda", requires_grad=True)
+    dy = torch.randn(2, 64, 256, generator=gen, device="cuda")
+    plain = torch.autograd.grad(adaln_modulate(x, e[:, 0], e[:, 1]), (x, e), dy)
+    y = adaln_modulate(x, e[:, 0], e[:, 1])
+    assert _is_cpp_node(y)
+    graphed = torch.autograd.grad(y, (x, e), dy, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        graphed[0].sum().backward()
+
+
+def test_dispatch_mode_takes_the_custom_op_with_the_same_results():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator(device="cuda").manual_seed(59)
+    x = torch.randn(2, 64, 512, generator=gen, device="cuda", requires_grad=True)
+    e = torch.randn(2, 6, 512, generator=gen, device="cuda")
+    y = adaln_modulate(x, e[:, 0:1], e[:, 1:2])
+    with FlopCounterMode(display=False):
+        y_mode = adaln_modulate(x, e[:, 0:1], e[:, 1:2])
+    assert _is_cpp_node(y) and not _is_cpp_node(y_mode) and torch.equal(y, y_mode)
+
+
+def test_activation_checkpointing_on_the_cpp_path():
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    x = torch.randn(2, 256, 1536, generator=gen, device="cuda").bfloat16().requires_grad_()
+    e = torch.randn(2, 6, 1536, generator=gen, device="cuda", requires_grad=True)
+    dy = torch.randn(2, 256, 1536, generator=gen, device="cuda")  # f returns fp32
+
+    def f(x, e):
+        return adaln_modulate(x, *e.chunk(6, dim=1)[:2]).float().sin()
+
+    def grads(out):
+        x.grad = e.grad = None
+        out.backward(dy)  # reentrant checkpointing supports .backward() only
+        return x.grad, e.grad
+
+    plain = grads(f(x, e))
+    for reentrant in (False, True):
+        ckpt = grads(checkpoint(f, x, e, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip(plain, ckpt)), reentrant
+
+
+def test_cuda_graph_capture_and_replay_of_forward_backward():
+    gen = torch.Generator(device="cuda").manual_seed(67)
+    x = torch.randn(1, 4096, 1536, generator=gen, device="cuda").bfloat16().requires_grad_()
+    e = torch.randn(1, 6, 1536, generator=gen, device="cuda", requires_grad=True)
+    dy = torch.randn(1, 4096, 1536, generator=gen, device="cuda").bfloat16()
+
+    def step():
+        y = adaln_modulate(x, *e.chunk(6, dim=1)[:2])
+        return (y,) + torch.autograd.grad(y, (x, e), dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture, as CUDA graphs require
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        e.copy_(torch.randn(e.shape, generator=gen, device="cuda"))
+    graph.replay()
+    expected = step()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected))

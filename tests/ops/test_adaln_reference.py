@@ -325,11 +325,59 @@ def test_loader_falls_back_to_reference_with_a_reason(monkeypatch):
     assert extension.load_extension() == (module, why)  # decided once: no second warning, same answer
 
 
-def test_build_flags_name_existing_sources():
-    import json
+def test_eager_calls_take_the_extension_path_and_compile_takes_the_custom_op(monkeypatch):
+    """Routing of adaln_modulate: with kernels for x's device, eager calls go to the extension's
+    adaln_eager (C++ autograd); when it declines (returns None: a tracer or mode is active) the
+    custom op runs; torch.compile never calls it and traces the custom op without a graph break."""
+    from lightning_adaptiveload.ops import adaln
 
-    from lightning_adaptiveload.ops.extension import BUILD_FLAGS_FILE, CSRC_DIR
+    calls = []
 
-    flags = json.loads(BUILD_FLAGS_FILE.read_text())
-    assert flags["sources"] and all((CSRC_DIR / s).is_file() for s in flags["sources"])
-    assert {"80", "90"} <= set(flags["cuda_archs"])
+    class FakeExtension:
+        decline = False
+
+        @staticmethod
+        def adaln_eager(x, shift, scale, weight, bias, eps):
+            calls.append((tuple(x.shape), tuple(shift.shape), weight is None, eps))
+            if FakeExtension.decline:
+                return None
+            return torch.ops.adaptiveload.adaln_fwd(x, shift, scale, weight, bias, eps)[0]
+
+    monkeypatch.setattr(adaln, "_eager_kernels", lambda x: FakeExtension)
+    gen = torch.Generator().manual_seed(29)
+    x, e = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 6, 16, generator=gen)
+    ref = formula_fp64(x, e[:, 0], e[:, 1], None, None, 1e-6)
+    y = adaln_modulate(x, e[:, 0], e[:, 1])  # (B, D) views arrive as (B, 1, D), eps as a float
+    assert calls == [((2, 5, 16), (2, 1, 16), True, 1e-6)] and rel_err(y, ref) <= 1e-6
+    y2 = adaln_modulate(x[0], e[0, 0], e[0, 1])  # 2-D x: called as (1, N, D), returned as (N, D)
+    assert calls[-1][:2] == ((1, 5, 16), (1, 1, 16)) and y2.shape == (5, 16)
+    FakeExtension.decline = True
+    y3 = adaln_modulate(x, e[:, 0], e[:, 1])
+    assert len(calls) == 3 and rel_err(y3, ref) <= 1e-6
+
+    calls.clear()
+    torch._dynamo.reset()
+    block = _Block(16)
+    xx, t = torch.randn(2, 5, 16, generator=gen, requires_grad=True), torch.randn(2, 16, generator=gen)
+    compiled = torch.compile(block, fullgraph=True)  # fullgraph: a graph break would raise
+    out = compiled(xx, t)
+    (g_comp,) = torch.autograd.grad(out.square().sum(), xx)
+    assert calls == []
+    monkeypatch.setattr(adaln, "_eager_kernels", lambda x: None)
+    eager = block(xx, t)
+    (g_eager,) = torch.autograd.grad(eager.square().sum(), xx)
+    assert rel_err(out, eager) <= 1e-6 and rel_err(g_comp, g_eager) <= 1e-6
+
+
+def test_create_graph_gives_first_order_grads_and_double_backward_raises():
+    """The C++ eager path (GPU tests) mirrors this: no silent zero second derivative."""
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(2, 3, 8, generator=gen, requires_grad=True)
+    shift, scale = (torch.randn(2, 8, generator=gen) for _ in range(2))
+    y = adaln_modulate(x, shift, scale)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    xr = x.detach().double().requires_grad_()
+    (g_ref,) = torch.autograd.grad(formula_fp64(xr, shift, scale, None, None, 1e-6).square().sum(), xr)
+    assert rel_err(g, g_ref) <= 1e-5
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.sum().backward()

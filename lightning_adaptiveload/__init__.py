@@ -44,6 +44,7 @@ _EXPORTS = {
     "FusedAdaLNSurgery": "callbacks.surgery",
     # fused AdaLN: op, module, surgery
     "adaln_modulate": "ops.adaln",
+    "ensure_extension": "ops.extension",
     "FusedAdaLN": "ops.modules",
     "apply_fused_adaln": "surgery",
     "register_adaln_patterns": "surgery",

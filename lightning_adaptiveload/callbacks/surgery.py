@@ -17,6 +17,7 @@ from typing import Any, Union
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_adaptiveload.ops import ensure_extension
 from lightning_adaptiveload.surgery import AdaLNPattern, SurgeryReport, apply_fused_adaln, resolve_patterns
 
 
@@ -30,6 +31,8 @@ class FusedAdaLNSurgery(Callback):
     idioms: also rewrite recognised AdaLN idioms in modules no pattern fuses (docs/surgery.md).
     require_replacement: raise in setup() if nothing was replaced (guards against a silent no-op,
         e.g. an unchecked library version or a model built in `configure_model`).
+    On CUDA, when something was fused, setup() also loads or builds the kernels
+    (`ops.ensure_extension`), so no timed calibration point or training step pays for a JIT build.
     The report is kept in `self.report`, logged on rank 0 and, when the trainer has a logger,
     written to `<trainer.log_dir>/fused_adaln_surgery.json`; both again after the first training
     batch when idiom rewrites were checked on their first call (verified, or restored and why).
@@ -61,6 +64,10 @@ class FusedAdaLNSurgery(Callback):
         if self.report is None or report.num_replaced:  # keep the first report across fit/validate stages
             self.report = report
         rank_zero_info(str(report))
+        if fused and trainer.strategy.root_device.type == "cuda":
+            # Load or JIT-build the kernels now (with a progress line), never inside a timed
+            # calibration point or the first training step.
+            ensure_extension(verbose=trainer.is_global_zero)
         self._write(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -378,3 +378,30 @@ def test_surgery_inside_configure_model(tmp_path):
     module = Module(**TINY, build_in_configure_model=True)
     _trainer(tmp_path, FusedAdaLNSurgery()).fit(module, train_dataloaders=_loader())
     assert module.dit.head.forward.__func__._fused_adaln_name == "idiom:Head"
+
+
+def test_callback_builds_the_extension_in_setup_on_cuda_only_when_it_fused(monkeypatch):
+    import lightning_adaptiveload.callbacks.surgery as surgery_callback
+    from examples.video_dit.model import DiTConfig, VideoDiT
+    from examples.video_dit.surgery import VIDEO_DIT_PATTERNS
+
+    calls = []
+    monkeypatch.setattr(surgery_callback, "ensure_extension", lambda verbose: calls.append(verbose) or "cuda: test")
+
+    class Strategy:
+        root_device = torch.device("cuda", 0)
+
+    class FakeTrainer:
+        strategy, is_global_zero, loggers, log_dir = Strategy(), True, [], None
+
+    class Holder(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.dit = VideoDiT(DiTConfig(in_channels=4, out_channels=4, dim=32, num_layers=layers, num_heads=2,
+                                          ffn_dim=64, text_dim=16, freq_dim=16))
+
+    callback = surgery_callback.FusedAdaLNSurgery(extra_patterns=VIDEO_DIT_PATTERNS, idioms=False)
+    callback.setup(FakeTrainer(), Holder(1), "fit")
+    assert calls == [True]
+    callback.setup(FakeTrainer(), torch.nn.Linear(2, 2), "fit")  # nothing to fuse: nothing to build
+    assert calls == [True]

@@ -455,7 +455,8 @@ class DepthCostModel:
         return f"DepthCostModel({self.base!r}, num_blocks={self.num_blocks}, g={self.recompute_fraction:.4g})"
 
     @classmethod
-    def fit(cls, batch_sizes, seq_lens, checkpointed, times_ms, num_blocks: int, form: str = "auto") -> "DepthCostModel":
+    def fit(cls, batch_sizes, seq_lens, checkpointed, times_ms, num_blocks: int,
+            form: str = "auto") -> "DepthCostModel":
         """Fit t_L (CostModel.fit with `form`) to the points at k = num_blocks and g to every point
         at k < num_blocks paired with the points at k = num_blocks of the same (B, S) (median time
         where several). 1-D arrays of equal length; every point at k < num_blocks needs a partner."""
@@ -475,7 +476,8 @@ class DepthCostModel:
             raise ValueError(f"points at k < {num_blocks} need a measurement of the same (B, S) at k = {num_blocks}; "
                              f"none for (B, S, k) = {unpaired[:3]}")
         if not np.any(~full):
-            raise ValueError(f"the recompute fraction needs points at k < {num_blocks}; all points have k = {num_blocks}")
+            raise ValueError(f"the recompute fraction needs points at k < {num_blocks}; "
+                             f"all points have k = {num_blocks}")
         u = (num_blocks - k[~full]) / num_blocks
         ratio = t[~full] / np.array([np.median(partner[(bi, si)]) for bi, si in zip(b[~full], s[~full])])
         g = _recompute_fraction(u, ratio)
@@ -531,7 +533,8 @@ class DepthCostModel:
             raise ValueError(f"{where}: 'recompute_fraction' must be a number in [0, 1], got {g!r}")
         quality = doc["quality"]
         if not isinstance(quality, dict) or set(quality) != set(DEPTH_QUALITY_KEYS):
-            raise ValueError(f"{where}: 'quality' must be an object with keys {list(DEPTH_QUALITY_KEYS)}, got {quality!r}")
+            raise ValueError(f"{where}: 'quality' must be an object with keys {list(DEPTH_QUALITY_KEYS)}, "
+                             f"got {quality!r}")
         for key, value in quality.items():
             if value is not None and not _finite_number(value):
                 raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {value!r}")

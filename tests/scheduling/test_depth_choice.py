@@ -49,7 +49,7 @@ def test_choice_equals_brute_force_on_random_models(seed):
         ref = brute_force(int(s), memory, cost, 0.9 * device, 40000, 48)
         if ref is None:
             assert not choice.fits[i] and choice.batch_size[i] == 0 and choice.checkpointed[i] == L
-            assert choice.peak_bytes[i] == pytest.approx(memory.predict(1, s, L)) and choice.peak_bytes[i] > 0.9 * device
+            assert choice.peak_bytes[i] == pytest.approx(memory.predict(1, s, L)) > 0.9 * device
             assert np.isnan(choice.time_ms[i])
             continue
         assert choice.fits[i]

@@ -94,9 +94,7 @@ def test_json_round_trip(tmp_path):
 
 
 def _valid_doc():
-    base = {"format": "adaptiveload.cost_model", "version": 1, "form": "power", "params": {"a": 9.0, "b": 3e-4, "p": 1.3},
-            "p": 1.3, "quality": {k: 0.1 for k in ("r2", "mean_rel_err", "max_rel_err", "heldout_mean_rel_err",
-                                                   "heldout_max_rel_err")}}
+    base = CostModel("power", {"a": 9.0, "b": 3e-4, "p": 1.3}, p=1.3, quality={}).to_dict()
     return {"format": DEPTH_FORMAT, "version": 1, "num_blocks": L, "recompute_fraction": 0.25,
             "quality": {k: None for k in DEPTH_QUALITY_KEYS}, "base": base}
 

@@ -184,7 +184,10 @@ def grid_points(tokens: np.ndarray, m_mem: int, num_blocks: int, second_depth: i
 
 
 def fit_models(bench: Bench, points: list[tuple[int, int, int]], num_blocks: int):
+    """MemoryModel and DepthCostModel of the measured grid points (a point below k = L only where its
+    (B, S) also ran at k = L: the recompute fraction is fitted to such pairs)."""
     ok = [p for p in points if bench.results[p].ok]
+    ok = [(b, s, k) for b, s, k in ok if k == num_blocks or (b, s, num_blocks) in ok]
     b, s, k = (np.array([p[i] for p in ok], dtype=np.float64) for i in range(3))
     peak = np.array([max(bench.results[p].peaks) for p in ok], dtype=np.float64)
     ms = np.array([bench.median_ms(p) for p in ok])

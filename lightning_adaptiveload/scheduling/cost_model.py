@@ -267,12 +267,12 @@ class CostModel:
             "form": self.form,
             "params": self.params,
             "p": self.p,
-            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+            "quality": _nan_to_none(self.quality),
         }
 
     def to_json(self, path) -> None:
         """Write the model as plain JSON (see docs/cost_model.md for the format)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        _write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> "CostModel":
@@ -298,40 +298,65 @@ def _finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _model_from_doc(doc, where: str) -> CostModel:
+# --- checks of model JSON documents, shared by the model files of scheduling/ ------------------
+
+def _write_json(path, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _nan_to_none(values: dict) -> dict:
+    """JSON has no NaN: unknown numbers are written as null."""
+    return {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+
+
+def _check_header(doc, where: str, fmt: str, version: int, keys: tuple[str, ...]) -> dict:
+    """`doc` if it is an object with "format" `fmt`, "version" `version` and every key of `keys`."""
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{where}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
-    missing = [k for k in ("version", "form", "params", "p", "quality") if k not in doc]
+    if doc.get("format") != fmt:
+        raise ValueError(f"{where}: 'format' must be {fmt!r}, got {doc.get('format')!r}")
+    missing = [k for k in ("version", *keys) if k not in doc]
     if missing:
         raise ValueError(f"{where}: missing keys {missing}")
-    if doc["version"] != VERSION or isinstance(doc["version"], bool):
-        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {VERSION})")
-    form = doc["form"]
-    if form not in FORMS:
-        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
-    params = doc["params"]
-    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES[form]):
+    if doc["version"] != version or isinstance(doc["version"], bool):
+        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {version})")
+    return doc
+
+
+def _check_params(params, names: tuple[str, ...], form: str, where: str) -> None:
+    """`params` has exactly the keys `names`, each a finite number >= 0."""
+    if not isinstance(params, dict) or set(params) != set(names):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(PARAM_NAMES[form])}, got {got}")
+        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(names)}, got {got}")
     for name, value in params.items():
         if not _finite_number(value) or value < 0:
             raise ValueError(f"{where}: params[{name!r}] must be a finite number >= 0, got {value!r}")
-    if form == "floor_work" and not params["k"] >= 1:
-        raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
-    if not _finite_number(doc["p"]) or doc["p"] <= 0:
-        raise ValueError(f"{where}: 'p' must be a finite number > 0, got {doc['p']!r}")
-    quality = doc["quality"]
+
+
+def _check_quality(quality, keys: tuple[str, ...], where: str) -> dict:
+    """The `keys` of `quality`, each a number or null; null read as NaN (unknown)."""
     if not isinstance(quality, dict):
         raise ValueError(f"{where}: 'quality' must be an object, got {type(quality).__name__}")
-    for key in QUALITY_KEYS:
+    for key in keys:
         if key not in quality:
             raise ValueError(f"{where}: 'quality' is missing {key!r}")
         if quality[key] is not None and not _finite_number(quality[key]):
             raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {quality[key]!r}")
-    quality = {k: (float("nan") if v is None else v) for k, v in quality.items()}
-    return CostModel(form, params, doc["p"], quality)
+    return {k: (float("nan") if quality[k] is None else quality[k]) for k in keys}
+
+
+def _model_from_doc(doc, where: str) -> CostModel:
+    _check_header(doc, where, FORMAT, VERSION, ("form", "params", "p", "quality"))
+    form = doc["form"]
+    if form not in FORMS:
+        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
+    params = doc["params"]
+    _check_params(params, PARAM_NAMES[form], form, where)
+    if form == "floor_work" and not params["k"] >= 1:
+        raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
+    if not _finite_number(doc["p"]) or doc["p"] <= 0:
+        raise ValueError(f"{where}: 'p' must be a finite number > 0, got {doc['p']!r}")
+    return CostModel(form, params, doc["p"], _check_quality(doc["quality"], QUALITY_KEYS, where))
 
 
 def read_measurements(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -508,35 +533,20 @@ class DepthCostModel:
             "version": DEPTH_VERSION,
             "num_blocks": self.num_blocks,
             "recompute_fraction": self.recompute_fraction,
-            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+            "quality": _nan_to_none(self.quality),
             "base": self.base.to_dict(),
         }
-        Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        _write_json(path, doc)
 
     @classmethod
     def from_json(cls, path) -> "DepthCostModel":
         """Read a model written by to_json; ValueError naming the file for anything malformed."""
         doc, where = _read_json(path), str(path)
-        if not isinstance(doc, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-        if doc.get("format") != DEPTH_FORMAT:
-            raise ValueError(f"{where}: 'format' must be {DEPTH_FORMAT!r}, got {doc.get('format')!r}")
-        missing = [k for k in ("version", "num_blocks", "recompute_fraction", "quality", "base") if k not in doc]
-        if missing:
-            raise ValueError(f"{where}: missing keys {missing}")
-        if doc["version"] != DEPTH_VERSION or isinstance(doc["version"], bool):
-            raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {DEPTH_VERSION})")
+        _check_header(doc, where, DEPTH_FORMAT, DEPTH_VERSION, ("num_blocks", "recompute_fraction", "quality", "base"))
         if isinstance(doc["num_blocks"], bool) or not isinstance(doc["num_blocks"], int) or doc["num_blocks"] < 1:
             raise ValueError(f"{where}: 'num_blocks' must be an integer >= 1, got {doc['num_blocks']!r}")
         g = doc["recompute_fraction"]
         if not _finite_number(g) or not 0 <= g <= 1:
             raise ValueError(f"{where}: 'recompute_fraction' must be a number in [0, 1], got {g!r}")
-        quality = doc["quality"]
-        if not isinstance(quality, dict) or set(quality) != set(DEPTH_QUALITY_KEYS):
-            raise ValueError(f"{where}: 'quality' must be an object with keys {list(DEPTH_QUALITY_KEYS)}, "
-                             f"got {quality!r}")
-        for key, value in quality.items():
-            if value is not None and not _finite_number(value):
-                raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {value!r}")
-        base = _model_from_doc(doc["base"], f"{where}: 'base'")
-        return cls(base, doc["num_blocks"], g, {k: (float("nan") if v is None else v) for k, v in quality.items()})
+        quality = _check_quality(doc["quality"], DEPTH_QUALITY_KEYS, where)
+        return cls(_model_from_doc(doc["base"], f"{where}: 'base'"), doc["num_blocks"], g, quality)

@@ -31,15 +31,13 @@ model with L = 0 (no switchable blocks) has none and is fitted at k = 0.
 """
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
 
 from lightning_adaptiveload.scheduling.cost_model import (
-    QUALITY_KEYS, _finite_number, _folds, _read_json, _rel_err, check_depths,
+    QUALITY_KEYS, _check_header, _check_params, _check_quality, _finite_number, _folds, _nan_to_none, _read_json,
+    _rel_err, _write_json, check_depths,
 )
 from lightning_adaptiveload.scheduling.policies import require_int
 
@@ -223,16 +221,16 @@ class MemoryModel:
         return np.asarray(b).astype(np.int64)
 
     def to_json(self, path) -> None:
-        """Write the model as plain JSON (docs/memory.md, "Files")."""
+        """Write the model as plain JSON (docs/memory.md)."""
         doc = {
             "format": FORMAT,
             "version": VERSION,
             "form": self.form,
             "num_blocks": self.num_blocks,
             "params": self.params,
-            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+            "quality": _nan_to_none(self.quality),
         }
-        Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        _write_json(path, doc)
 
     @classmethod
     def from_json(cls, path) -> "MemoryModel":
@@ -241,34 +239,12 @@ class MemoryModel:
 
 
 def _model_from_doc(doc, where: str) -> MemoryModel:
-    if not isinstance(doc, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{where}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
-    missing = [k for k in ("version", "form", "num_blocks", "params", "quality") if k not in doc]
-    if missing:
-        raise ValueError(f"{where}: missing keys {missing}")
-    if doc["version"] != VERSION or isinstance(doc["version"], bool):
-        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {VERSION})")
+    _check_header(doc, where, FORMAT, VERSION, ("form", "num_blocks", "params", "quality"))
     form = doc["form"]
     if form not in FORMS:
         raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
     num_blocks = doc["num_blocks"]
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise ValueError(f"{where}: 'num_blocks' must be an integer >= 0, got {num_blocks!r}")
-    params = doc["params"]
-    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES[form]):
-        got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(PARAM_NAMES[form])}, got {got}")
-    for name, value in params.items():
-        if not _finite_number(value) or value < 0:
-            raise ValueError(f"{where}: params[{name!r}] must be a finite number >= 0, got {value!r}")
-    quality = doc["quality"]
-    if not isinstance(quality, dict):
-        raise ValueError(f"{where}: 'quality' must be an object, got {type(quality).__name__}")
-    for key in QUALITY_KEYS:
-        if key not in quality:
-            raise ValueError(f"{where}: 'quality' is missing {key!r}")
-        if quality[key] is not None and not _finite_number(quality[key]):
-            raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {quality[key]!r}")
-    return MemoryModel(form, params, num_blocks, {k: (float("nan") if v is None else v) for k, v in quality.items()})
+    _check_params(doc["params"], PARAM_NAMES[form], form, where)
+    return MemoryModel(form, doc["params"], num_blocks, _check_quality(doc["quality"], QUALITY_KEYS, where))

@@ -31,7 +31,6 @@ model with L = 0 (no switchable blocks) has none and is fitted at k = 0.
 """
 from __future__ import annotations
 
-
 import numpy as np
 from scipy.optimize import nnls
 

@@ -154,16 +154,21 @@ def _fit_form(form: str, b, s, t) -> tuple[dict, dict]:
         # warm start from the full fit: deterministic, and far cheaper than a fresh multistart
         fold_params = _least_squares(form, b[keep], s[keep], t[keep], [params])
         heldout[idx] = _rel_err(_PREDICT[form](fold_params, b[idx], s[idx]), t[idx])
-    ss_tot = float(np.sum((t - t.mean()) ** 2))
-    rel = _rel_err(pred, t)
-    quality = {
-        "r2": 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
+    return params, fit_quality(pred, t, heldout)
+
+
+def fit_quality(pred: np.ndarray, measured: np.ndarray, heldout_rel_err: np.ndarray) -> dict:
+    """QUALITY_KEYS of a fit: r2 and relative errors of `pred` against `measured` on the fit points,
+    mean and max of the cross-validated relative errors `heldout_rel_err`."""
+    ss_tot = float(np.sum((measured - measured.mean()) ** 2))
+    rel = _rel_err(pred, measured)
+    return {
+        "r2": 1.0 - float(np.sum((pred - measured) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
         "mean_rel_err": float(rel.mean()),
         "max_rel_err": float(rel.max()),
-        "heldout_mean_rel_err": float(heldout.mean()),
-        "heldout_max_rel_err": float(heldout.max()),
+        "heldout_mean_rel_err": float(heldout_rel_err.mean()),
+        "heldout_max_rel_err": float(heldout_rel_err.max()),
     }
-    return params, quality
 
 
 def _check_measurements(batch_sizes, seq_lens, times_ms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -35,8 +35,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from lightning_adaptiveload.scheduling.cost_model import (
-    QUALITY_KEYS, _check_header, _check_params, _check_quality, _finite_number, _folds, _nan_to_none, _read_json,
-    _rel_err, _write_json, check_depths,
+    QUALITY_KEYS, _check_header, _check_params, _check_quality, _folds, _nan_to_none, _read_json, _rel_err,
+    _write_json, check_depths, fit_quality,
 )
 from lightning_adaptiveload.scheduling.policies import require_int
 
@@ -91,17 +91,7 @@ def _fit_form(form: str, num_blocks: int, b, s, u, peak) -> tuple[dict, dict]:
         keep[idx] = False
         fold = _nnls(names, b[keep], s[keep], u[keep], peak[keep])
         heldout[idx] = _rel_err(_peak(fold, b[idx], s[idx], u[idx]), peak[idx])
-    pred = _peak(params, b, s, u)
-    rel = _rel_err(pred, peak)
-    ss_tot = float(np.sum((peak - peak.mean()) ** 2))
-    quality = {
-        "r2": 1.0 - float(np.sum((pred - peak) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
-        "mean_rel_err": float(rel.mean()),
-        "max_rel_err": float(rel.max()),
-        "heldout_mean_rel_err": float(heldout.mean()),
-        "heldout_max_rel_err": float(heldout.max()),
-    }
-    return params, quality
+    return params, fit_quality(_peak(params, b, s, u), peak, heldout)
 
 
 def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks):
@@ -132,11 +122,7 @@ class MemoryModel:
                  candidates: dict | None = None):
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        if set(params) != set(PARAM_NAMES[form]):
-            raise ValueError(f"form {form!r} needs params {PARAM_NAMES[form]}, got {sorted(params)}")
-        for name, value in params.items():
-            if not _finite_number(value) or value < 0:
-                raise ValueError(f"params[{name!r}] must be a finite number >= 0, got {value!r}")
+        _check_params(params, PARAM_NAMES[form], form, "MemoryModel")
         self.form = form
         self.num_blocks = require_int("num_blocks", num_blocks, minimum=0)
         self.params = {name: float(params[name]) for name in PARAM_NAMES[form]}

@@ -36,6 +36,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory the choice plans for (default: the GPU's; CPU: 4x the token_equal peak)")
     parser.add_argument("--max-batch-size", type=int, default=512)
     parser.add_argument("--deadline-s", type=float, default=210.0, help="start no step after this many seconds")
+    parser.add_argument("--allocator-conf", default="expandable_segments:True",
+                        help="PYTORCH_CUDA_ALLOC_CONF unless already set: expandable segments keep changing "
+                             "shapes from fragmenting memory, which matters once the plan fills the device")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "memory_plan_h200.json")
     args = parser.parse_args(argv)
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args.blocks = args.blocks or (4 if args.tiny else 12)
     args.m_mem = args.m_mem or scale["m_mem"]
     second_depth = args.blocks // 2 if args.second_depth is None else args.second_depth
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.allocator_conf)  # read when CUDA first allocates
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("memory_plan.py: no CUDA device (use --device cpu --tiny for the smoke test)")
     if args.device == "cpu":
@@ -339,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {**meta, "git_commit": git_commit(), "args": {k: (str(v) if isinstance(v, Path) else v)
                                                          for k, v in vars(args).items()},
            "model": {**{k: v for k, v in scale.items() if k != "mix"}, "blocks": L, "mix": str(scale["mix"].name),
-                     "dtype": "fp32 weights, bf16 autocast" if bench.cuda else "fp32", "optimizer": "AdamW"},
+                     "dtype": "fp32 weights, bf16 autocast" if bench.cuda else "fp32", "optimizer": "AdamW",
+                     "PYTORCH_CUDA_ALLOC_CONF": os.environ["PYTORCH_CUDA_ALLOC_CONF"]},
            "memory_model": {"form": memory.form, "params": memory.params, "quality": memory.quality},
            "time_model": {"base_form": cost.base.form, "base_params": cost.base.params,
                           "base_quality": cost.base.quality, "recompute_fraction": cost.recompute_fraction,

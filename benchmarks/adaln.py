@@ -16,7 +16,6 @@ alive after forward beyond x, y and the inputs (compiled graphs hide theirs insi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
+
+from _meta import run_meta
 
 from lightning_adaptiveload import ops
 
@@ -220,20 +221,6 @@ def print_verdicts(r: dict, summary_key: str, label: str) -> None:
     print(f"{str((r['B'], r['N'], r['D'])):>16} {label:>8}  " + "  ".join(parts))
 
 
-def gpu_run_meta(doc: str) -> dict:
-    """Header fields of a GPU benchmark's result file: what ran (first line of `doc`), where,
-    with which versions, when (UTC) and the exact command."""
-    return {
-        "description": doc.strip().splitlines()[0],
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": __import__("triton").__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/adaln_h200.json"))
@@ -263,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, "fwd_ms", "bwd_ms", "do_bench, direct calls (includes Python/launch overhead)")
     print_targets(rows)
     result = {
-        **gpu_run_meta(__doc__),
+        **run_meta("adaln"),
+        "description": __doc__.strip().splitlines()[0],
         "backend": backend,
         "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
         "rows": rows,

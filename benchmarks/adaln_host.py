@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _meta import cpu_run_meta  # noqa: E402
+from _meta import run_meta  # noqa: E402
 
 from lightning_adaptiveload import ops  # noqa: E402
 from lightning_adaptiveload.ops import adaln  # noqa: E402
@@ -347,14 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"the fused kernels are not active ({backend}); build the extension first (adaptiveload build-ext)")
         rows = gpu_rows(calls, args.repeats, GPU_SHAPES)
         print_gpu(rows)
-        from adaln import gpu_run_meta
-
-        meta = gpu_run_meta(__doc__) | {"backend": backend}
+        meta = run_meta("adaln_host") | {"description": __doc__.strip().splitlines()[0], "backend": backend}
     else:
         rows = cpu_rows(calls, args.repeats)
         print_cpu(rows)
-        meta = {"description": __doc__.strip().splitlines()[0],
-                **cpu_run_meta("adaln_host", torch=torch.__version__), "backend": ops.backend(),
+        meta = {"description": __doc__.strip().splitlines()[0], **run_meta("adaln_host"), "backend": ops.backend(),
                 "note": "CPU, 1 thread; the op layer measured with tiny tensors (and no-op kernels where named)"}
     out = args.out or Path(f"benchmarks/results/adaln_host_{'gpu' if gpu else 'cpu'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

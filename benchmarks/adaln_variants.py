@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaln import EPS, SHAPES, gpu_run_meta, time_graph_ms, time_ms  # noqa: E402
+from _meta import run_meta  # noqa: E402
+from adaln import EPS, SHAPES, time_graph_ms, time_ms  # noqa: E402
 
 from lightning_adaptiveload.ops.extension import jit_build  # noqa: E402
 from lightning_adaptiveload.ops.reference import adaln_bwd_reference, adaln_fwd_reference  # noqa: E402
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[label]["error"] = f"worker exited {done.returncode}"
     print_table(results)
     meta = {
-        **gpu_run_meta(__doc__),
+        **run_meta("adaln_variants"),
+        "description": __doc__.strip().splitlines()[0],
         "archs": os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", "build_flags.json"),
         "timing": "CUDA graph of 10 calls, median of 15 replays; floor: do_bench median of a copy of x",
     }

@@ -175,7 +175,7 @@ def host_costs(args: argparse.Namespace) -> None:
     import diffusers
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-    from benchmarks._meta import cpu_run_meta
+    from benchmarks._meta import run_meta
     from examples.video_dit import surgery as video_dit
     from examples.video_dit.model import DiTConfig, VideoDiT, rope_3d
 
@@ -241,8 +241,7 @@ def host_costs(args: argparse.Namespace) -> None:
         print(f"{label:<30} {r['forward_ms']:>9.3f} {r['forward_backward_ms']:>9.3f}")
     print(f"idiom - pattern, per AdaLN site (median of {args.host_rounds} paired rounds): "
           f"forward {overhead_us['forward_ms']:+.1f} us, fwd+bwd {overhead_us['forward_backward_ms']:+.1f} us")
-    out = {**cpu_run_meta("fused AdaLN surgery: host costs on the CPU", torch=torch.__version__,
-                          diffusers=diffusers.__version__),
+    out = {**run_meta("fused AdaLN surgery: host costs on the CPU", diffusers=diffusers.__version__),
            "threads": 1, "surgery_seconds": surgery_s,
            "per_call_ms_median": per_call, "calls_per_round": args.host_calls, "rounds": args.host_rounds,
            "idiom_minus_pattern_us_per_site": overhead_us,

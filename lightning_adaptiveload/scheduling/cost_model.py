@@ -154,16 +154,21 @@ def _fit_form(form: str, b, s, t) -> tuple[dict, dict]:
         # warm start from the full fit: deterministic, and far cheaper than a fresh multistart
         fold_params = _least_squares(form, b[keep], s[keep], t[keep], [params])
         heldout[idx] = _rel_err(_PREDICT[form](fold_params, b[idx], s[idx]), t[idx])
-    ss_tot = float(np.sum((t - t.mean()) ** 2))
-    rel = _rel_err(pred, t)
-    quality = {
-        "r2": 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
+    return params, fit_quality(pred, t, heldout)
+
+
+def fit_quality(pred: np.ndarray, measured: np.ndarray, heldout_rel_err: np.ndarray) -> dict:
+    """QUALITY_KEYS of a fit: r2 and relative errors of `pred` against `measured` on the fit points,
+    mean and max of the cross-validated relative errors `heldout_rel_err`."""
+    ss_tot = float(np.sum((measured - measured.mean()) ** 2))
+    rel = _rel_err(pred, measured)
+    return {
+        "r2": 1.0 - float(np.sum((pred - measured) ** 2)) / ss_tot if ss_tot > 0 else float("nan"),
         "mean_rel_err": float(rel.mean()),
         "max_rel_err": float(rel.max()),
-        "heldout_mean_rel_err": float(heldout.mean()),
-        "heldout_max_rel_err": float(heldout.max()),
+        "heldout_mean_rel_err": float(heldout_rel_err.mean()),
+        "heldout_max_rel_err": float(heldout_rel_err.max()),
     }
-    return params, quality
 
 
 def _check_measurements(batch_sizes, seq_lens, times_ms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -255,17 +260,20 @@ class CostModel:
         # the slack keeps floor(M_comp / S_ref^p) == B_ref despite float rounding
         return b_ref * float(ref_seq_len) ** self.dual_p * (1.0 + 1e-9)
 
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON (see docs/cost_model.md for the format)."""
-        doc = {
+    def to_dict(self) -> dict:
+        """The JSON document of the model (see docs/cost_model.md for the format)."""
+        return {
             "format": FORMAT,
             "version": VERSION,
             "form": self.form,
             "params": self.params,
             "p": self.p,
-            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+            "quality": _nan_to_none(self.quality),
         }
-        Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON (see docs/cost_model.md for the format)."""
+        _write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> "CostModel":
@@ -287,38 +295,63 @@ def _read_json(path) -> object:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def _model_from_doc(doc, where: str) -> CostModel:
+# --- checks of model JSON documents, shared by the model files of scheduling/ ------------------
+
+def _write_json(path, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _nan_to_none(values: dict) -> dict:
+    """JSON has no NaN: unknown numbers are written as null."""
+    return {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+
+
+def _check_header(doc, where: str, fmt: str, version: int, keys: tuple[str, ...]) -> dict:
+    """`doc` if it is an object with "format" `fmt`, "version" `version` and every key of `keys`."""
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{where}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
-    missing = [k for k in ("version", "form", "params", "p", "quality") if k not in doc]
+    if doc.get("format") != fmt:
+        raise ValueError(f"{where}: 'format' must be {fmt!r}, got {doc.get('format')!r}")
+    missing = [k for k in ("version", *keys) if k not in doc]
     if missing:
         raise ValueError(f"{where}: missing keys {missing}")
-    if doc["version"] != VERSION or isinstance(doc["version"], bool):
-        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {VERSION})")
-    form = doc["form"]
-    if form not in FORMS:
-        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
-    params = doc["params"]
-    if not isinstance(params, dict) or set(params) != set(PARAM_NAMES[form]):
+    if doc["version"] != version or isinstance(doc["version"], bool):
+        raise ValueError(f"{where}: unsupported 'version' {doc['version']!r} (this reader knows {version})")
+    return doc
+
+
+def _check_params(params, names: tuple[str, ...], form: str, where: str) -> None:
+    """`params` has exactly the keys `names`, each a finite number >= 0."""
+    if not isinstance(params, dict) or set(params) != set(names):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(PARAM_NAMES[form])}, got {got}")
+        raise ValueError(f"{where}: 'params' of form {form!r} must have keys {list(names)}, got {got}")
     for name, value in params.items():
         require_number(f"{where}: params[{name!r}]", value, minimum=0)
-    if form == "floor_work" and not params["k"] >= 1:
-        raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
-    require_number(f"{where}: 'p'", doc["p"], positive=True)
-    quality = doc["quality"]
+
+
+def _check_quality(quality, keys: tuple[str, ...], where: str) -> dict:
+    """The `keys` of `quality`, each a number or null; null read as NaN (unknown)."""
     if not isinstance(quality, dict):
         raise ValueError(f"{where}: 'quality' must be an object, got {type(quality).__name__}")
-    for key in QUALITY_KEYS:
+    for key in keys:
         if key not in quality:
             raise ValueError(f"{where}: 'quality' is missing {key!r}")
         if quality[key] is not None and not is_finite_number(quality[key]):
             raise ValueError(f"{where}: quality[{key!r}] must be a number or null, got {quality[key]!r}")
-    quality = {k: (float("nan") if v is None else v) for k, v in quality.items()}
-    return CostModel(form, params, doc["p"], quality)
+    return {k: (float("nan") if quality[k] is None else quality[k]) for k in keys}
+
+
+def _model_from_doc(doc, where: str) -> CostModel:
+    _check_header(doc, where, FORMAT, VERSION, ("form", "params", "p", "quality"))
+    form = doc["form"]
+    if form not in FORMS:
+        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
+    params = doc["params"]
+    _check_params(params, PARAM_NAMES[form], form, where)
+    if form == "floor_work" and not params["k"] >= 1:
+        raise ValueError(f"{where}: params['k'] must be >= 1, got {params['k']!r}")
+    require_number(f"{where}: 'p'", doc["p"], positive=True)
+    return CostModel(form, params, doc["p"], _check_quality(doc["quality"], QUALITY_KEYS, where))
 
 
 def read_measurements(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -383,3 +416,130 @@ def plot_fit(model: CostModel, batch_sizes, seq_lens, times_ms, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- step time with a checkpointing depth k (docs/memory.md) ---------------------------------
+
+DEPTH_FORMAT = "adaptiveload.depth_cost_model"
+DEPTH_VERSION = 1
+DEPTH_QUALITY_KEYS = ("mean_rel_err", "max_rel_err", "heldout_mean_rel_err", "heldout_max_rel_err")
+
+
+def check_depths(checkpointed, num_blocks: int, name: str = "checkpointed") -> np.ndarray:
+    """`checkpointed` (k, blocks under activation checkpointing) as a float64 array; ValueError
+    naming `name` unless every entry is a whole number in [0, num_blocks]."""
+    k = np.asarray(checkpointed, dtype=np.float64)
+    bad = ~(np.isfinite(k) & (k == np.round(k)) & (k >= 0) & (k <= num_blocks))
+    if np.any(bad):
+        raise ValueError(f"{name} must be whole numbers in [0, num_blocks={num_blocks}], got {k[bad][:3].tolist()}")
+    return k
+
+
+def _recompute_fraction(u: np.ndarray, ratio: np.ndarray) -> float:
+    """g minimising sum(((1 - g*u) - ratio) / ratio)^2), clipped to [0, 1]."""
+    w2 = 1.0 / ratio**2
+    return float(np.clip(np.sum(w2 * u * (1.0 - ratio)) / np.sum(w2 * u * u), 0.0, 1.0))
+
+
+class DepthCostModel:
+    """Step time t(B, S, k) ms when k of the model's L switchable blocks are checkpointed:
+
+        t(B, S, k) = t_L(B, S) * (1 - g * (L - k) / L)
+
+    t_L is a CostModel fitted at full checkpointing (k = L: what every step runs unless told
+    otherwise, and the depth every shape fits at). Recomputing a checkpointed block in backward costs
+    about one more forward of it; with a forward ~1/3 of forward + backward, recomputing all L
+    blocks is ~1/4 of a fully checkpointed step, so g (the share of a fully checkpointed step that
+    recomputation takes) is about 0.25 (one H200, Wan-1.3B shape: 30 -> 20 checkpointed blocks
+    saved 7.5-8.8%, g = 0.23-0.26). g is fitted to the ratio t(B, S, k) / t(B, S, L) of steps
+    measured at the same (B, S) at both depths, not to t_L's prediction, whose error (~5%) would
+    swamp an effect this small. Users of CostModel that know no k are unaffected: `base` is that
+    CostModel, and predict(B, S) (k = L) equals it.
+    """
+
+    def __init__(self, base: CostModel, num_blocks: int, recompute_fraction: float, quality: dict | None = None):
+        if not isinstance(base, CostModel):
+            raise ValueError(f"base must be a CostModel, got {type(base).__name__}")
+        num_blocks = require_int("num_blocks", num_blocks)
+        if not is_finite_number(recompute_fraction) or not 0 <= recompute_fraction <= 1:
+            raise ValueError(f"recompute_fraction must be a number in [0, 1], got {recompute_fraction!r}")
+        self.base = base
+        self.num_blocks = num_blocks
+        self.recompute_fraction = float(recompute_fraction)
+        # relative error of t(B, S, k) / t(B, S, L) on the paired points (NaN where unknown)
+        self.quality = {key: float((quality or {}).get(key, float("nan"))) for key in DEPTH_QUALITY_KEYS}
+
+    def __repr__(self) -> str:
+        return f"DepthCostModel({self.base!r}, num_blocks={self.num_blocks}, g={self.recompute_fraction:.4g})"
+
+    @classmethod
+    def fit(cls, batch_sizes, seq_lens, checkpointed, times_ms, num_blocks: int,
+            form: str = "auto") -> "DepthCostModel":
+        """Fit t_L (CostModel.fit with `form`) to the points at k = num_blocks and g to every point
+        at k < num_blocks paired with the points at k = num_blocks of the same (B, S) (median time
+        where several). 1-D arrays of equal length; every point at k < num_blocks needs a partner."""
+        b, s, t = _check_measurements(batch_sizes, seq_lens, times_ms)
+        num_blocks = require_int("num_blocks", num_blocks)
+        k = check_depths(checkpointed, num_blocks)
+        if k.shape != t.shape:
+            raise ValueError(f"checkpointed must have the shape of times_ms {t.shape}, got {k.shape}")
+        full = k == num_blocks
+        base = CostModel.fit(b[full], s[full], t[full], form=form)
+        partner = {}
+        for bi, si, ti in zip(b[full], s[full], t[full]):
+            partner.setdefault((bi, si), []).append(ti)
+        unpaired = [(int(bi), int(si), int(ki)) for bi, si, ki in zip(b[~full], s[~full], k[~full])
+                    if (bi, si) not in partner]
+        if unpaired:
+            raise ValueError(f"points at k < {num_blocks} need a measurement of the same (B, S) at k = {num_blocks}; "
+                             f"none for (B, S, k) = {unpaired[:3]}")
+        if not np.any(~full):
+            raise ValueError(f"the recompute fraction needs points at k < {num_blocks}; "
+                             f"all points have k = {num_blocks}")
+        u = (num_blocks - k[~full]) / num_blocks
+        ratio = t[~full] / np.array([np.median(partner[(bi, si)]) for bi, si in zip(b[~full], s[~full])])
+        g = _recompute_fraction(u, ratio)
+        rel = _rel_err(1.0 - g * u, ratio)
+        heldout = np.full(len(u), np.nan)
+        if len(u) > 1:
+            for i in range(len(u)):
+                keep = np.arange(len(u)) != i
+                heldout[i] = _rel_err(1.0 - _recompute_fraction(u[keep], ratio[keep]) * u[i], ratio[i])
+        quality = {"mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max()),
+                   "heldout_mean_rel_err": float(heldout.mean()), "heldout_max_rel_err": float(heldout.max())}
+        return cls(base, num_blocks, g, quality)
+
+    def predict(self, batch_size, seq_len, checkpointed=None):
+        """Step time in ms; checkpointed=None means k = L (the base model's time). Scalars give a
+        float, arrays broadcast and give an array."""
+        t = self.base.predict(batch_size, seq_len)
+        if checkpointed is None:
+            return t
+        u = (self.num_blocks - check_depths(checkpointed, self.num_blocks)) / self.num_blocks
+        t = np.asarray(t) * (1.0 - self.recompute_fraction * u)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON: the base CostModel's document under "base"."""
+        doc = {
+            "format": DEPTH_FORMAT,
+            "version": DEPTH_VERSION,
+            "num_blocks": self.num_blocks,
+            "recompute_fraction": self.recompute_fraction,
+            "quality": _nan_to_none(self.quality),
+            "base": self.base.to_dict(),
+        }
+        _write_json(path, doc)
+
+    @classmethod
+    def from_json(cls, path) -> "DepthCostModel":
+        """Read a model written by to_json; ValueError naming the file for anything malformed."""
+        doc, where = _read_json(path), str(path)
+        _check_header(doc, where, DEPTH_FORMAT, DEPTH_VERSION, ("num_blocks", "recompute_fraction", "quality", "base"))
+        if isinstance(doc["num_blocks"], bool) or not isinstance(doc["num_blocks"], int) or doc["num_blocks"] < 1:
+            raise ValueError(f"{where}: 'num_blocks' must be an integer >= 1, got {doc['num_blocks']!r}")
+        g = doc["recompute_fraction"]
+        if not is_finite_number(g) or not 0 <= g <= 1:
+            raise ValueError(f"{where}: 'recompute_fraction' must be a number in [0, 1], got {g!r}")
+        quality = _check_quality(doc["quality"], DEPTH_QUALITY_KEYS, where)
+        return cls(_model_from_doc(doc["base"], f"{where}: 'base'"), doc["num_blocks"], g, quality)

@@ -1,0 +1,235 @@
+"""Peak device memory of a training step, peak(B, S, k) in bytes, fitted to measurements.
+
+B is the batch size (samples), S the tokens per sample, k how many of the model's L switchable
+blocks run under activation checkpointing (AC) in the step (lightning_adaptiveload.checkpointing:
+the first k blocks in registration order are checkpointed, the last L - k keep their
+activations). With u = L - k un-checkpointed blocks:
+
+    peak = m0 + B * (c + a*S [+ q*S^2]) + u * B * (c_k + b*S [+ q_k*S^2])
+
+- m0: what no batch changes: parameters, gradients, optimizer state and the optimizer step's
+  temporaries, allocator workspace.
+- c, a: memory of a fully checkpointed step per sample and per token: every checkpointed block's
+  saved input (B, S, D), the one block being recomputed in backward, the layers outside the
+  blocks (patch embedding, head, loss). c is what a sample holds whatever its length (text
+  conditioning: the prompt's embeddings and cross-attention K/V, modulation vectors).
+- c_k, b: what one un-checkpointed block adds per sample and per token (its activations beyond
+  the input a checkpointed block would keep). Each block of a DiT has the same shape, so the
+  term is linear in u.
+- q, q_k (form "quadratic" only): memory growing with S^2, the attention probabilities that the
+  math SDPA kernel keeps for backward (CPU, or attention without a fused kernel). Flash and cuDNN
+  attention keep O(S) statistics only, so on a GPU the "linear" form is expected to win.
+
+All parameters are >= 0. The model is linear in them, so the fit is a non-negative least squares
+of the relative error (residuals (pred - peak) / peak), deterministic and without starting
+points. Held-out error is cross-validated like CostModel's (leave-one-out up to 64 points, else 16
+folds; see cost_model._folds), and form="auto" picks the form with the lowest held-out mean error
+(ties: "linear").
+
+The per-block terms need measurements at two or more depths k (e.g. k = L and k = L // 2); a
+model with L = 0 (no switchable blocks) has none and is fitted at k = 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import nnls
+
+from lightning_adaptiveload.scheduling.cost_model import (
+    QUALITY_KEYS, _check_header, _check_params, _check_quality, _folds, _nan_to_none, _read_json, _rel_err,
+    _write_json, check_depths, fit_quality,
+)
+from lightning_adaptiveload._validation import require_int
+
+FORMAT = "adaptiveload.memory_model"
+VERSION = 1
+FORMS = ("linear", "quadratic")  # "auto" prefers the earlier form on ties
+PARAM_NAMES = {
+    "linear": ("m0", "c", "a", "c_k", "b"),
+    "quadratic": ("m0", "c", "a", "q", "c_k", "b", "q_k"),
+}
+BLOCK_PARAMS = ("c_k", "b", "q_k")  # the per-un-checkpointed-block terms (not fitted when L = 0)
+NO_BOUND = 2**62  # max_batch_size where memory does not grow with B
+
+
+def _peak(params: dict, b: np.ndarray, s: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The documented form; absent parameters (q, q_k in "linear") are 0."""
+    get = params.get
+    per_sample = get("c", 0.0) + s * (get("a", 0.0) + s * get("q", 0.0))
+    per_block = get("c_k", 0.0) + s * (get("b", 0.0) + s * get("q_k", 0.0))
+    return get("m0", 0.0) + b * (per_sample + u * per_block)
+
+
+def _design(names: tuple[str, ...], b: np.ndarray, s: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """(n, len(names)) columns: peak = design @ coefficients."""
+    columns = {"m0": np.ones_like(b), "c": b, "a": b * s, "q": b * s * s,
+               "c_k": u * b, "b": u * b * s, "q_k": u * b * s * s}
+    return np.stack([columns[name] for name in names], axis=1)
+
+
+def _nnls(names: tuple[str, ...], b, s, u, peak) -> dict:
+    """Non-negative least squares of the relative error; columns scaled to 1 for conditioning."""
+    design = _design(names, b, s, u) / peak[:, None]
+    scale = np.abs(design).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(design / scale, np.ones_like(peak), maxiter=50 * len(names))[0] / scale
+    return dict(zip(names, (float(v) for v in coef)))
+
+
+def _fitted_names(form: str, num_blocks: int) -> tuple[str, ...]:
+    names = PARAM_NAMES[form]
+    return names if num_blocks else tuple(n for n in names if n not in BLOCK_PARAMS)
+
+
+def _fit_form(form: str, num_blocks: int, b, s, u, peak) -> tuple[dict, dict]:
+    """(params, quality) of one form; params has every name of the form (0 where not fitted)."""
+    names = _fitted_names(form, num_blocks)
+    fitted = _nnls(names, b, s, u, peak)
+    params = {name: fitted.get(name, 0.0) for name in PARAM_NAMES[form]}
+    heldout = np.empty_like(peak)
+    for idx in _folds(len(peak), b, s):
+        keep = np.ones(len(peak), dtype=bool)
+        keep[idx] = False
+        fold = _nnls(names, b[keep], s[keep], u[keep], peak[keep])
+        heldout[idx] = _rel_err(_peak(fold, b[idx], s[idx], u[idx]), peak[idx])
+    return params, fit_quality(_peak(params, b, s, u), peak, heldout)
+
+
+def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks):
+    arrays = []
+    for name, values in (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("peak_bytes", peak_bytes)):
+        a = np.asarray(values, dtype=np.float64)
+        if a.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        if not np.all(np.isfinite(a) & (a > 0)):
+            raise ValueError(f"{name} must be finite and > 0, got {a[~(np.isfinite(a) & (a > 0))][:3].tolist()}")
+        arrays.append(a)
+    b, s, peak = arrays
+    k = check_depths(checkpointed, num_blocks)
+    if k.ndim != 1 or not len(b) == len(s) == len(k) == len(peak):
+        raise ValueError(f"batch_sizes, seq_lens, checkpointed, peak_bytes must be 1-D of equal length, got "
+                         f"{len(b)}, {len(s)}, {k.shape}, {len(peak)}")
+    depths = np.unique(k)
+    if num_blocks and len(depths) < 2:
+        raise ValueError(f"the per-block terms need peaks at >= 2 checkpointing depths (e.g. k = {num_blocks} and "
+                         f"k = {num_blocks // 2}); got only k = {depths.astype(int).tolist()}")
+    return b, s, k, peak
+
+
+class MemoryModel:
+    """A fitted peak-memory model peak(B, S, k) in bytes. See the module docstring for the form."""
+
+    def __init__(self, form: str, params: dict, num_blocks: int, quality: dict | None = None,
+                 candidates: dict | None = None):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        _check_params(params, PARAM_NAMES[form], form, "MemoryModel")
+        self.form = form
+        self.num_blocks = require_int("num_blocks", num_blocks, minimum=0)
+        self.params = {name: float(params[name]) for name in PARAM_NAMES[form]}
+        self.quality = {key: float((quality or {}).get(key, float("nan"))) for key in QUALITY_KEYS}
+        self.candidates = candidates or {}  # form -> {"params", "quality"} of every form fitted
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v:.4g}" for k, v in self.params.items())
+        return f"MemoryModel(form={self.form!r}, num_blocks={self.num_blocks}, {params})"
+
+    @classmethod
+    def fit(cls, batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks: int,
+            form: str = "auto") -> "MemoryModel":
+        """Fit to measured peaks: 1-D arrays of equal length; B, S, peak > 0; checkpointed k whole
+        numbers in [0, num_blocks], at >= 2 distinct depths when num_blocks > 0.
+
+        form: one of FORMS, or "auto" for the lowest cross-validated mean relative error. Each form
+        needs at least (its fitted parameter count + 2) points, so every held-out fold still has
+        more points than parameters."""
+        num_blocks = require_int("num_blocks", num_blocks, minimum=0)
+        b, s, k, peak = _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks)
+        if form != "auto" and form not in FORMS:
+            raise ValueError(f"form must be 'auto' or one of {FORMS}, got {form!r}")
+        wanted = [f for f in FORMS if form in ("auto", f)]
+        enough = [f for f in wanted if len(peak) >= len(_fitted_names(f, num_blocks)) + 2]
+        if not enough:
+            need = min(len(_fitted_names(f, num_blocks)) + 2 for f in wanted)
+            raise ValueError(f"need at least {need} measurements to fit form {form!r}, got {len(peak)}")
+        u = num_blocks - k
+        candidates = {}
+        for f in enough:
+            params, quality = _fit_form(f, num_blocks, b, s, u, peak)
+            candidates[f] = {"params": params, "quality": quality}
+        chosen = min(candidates, key=lambda f: (candidates[f]["quality"]["heldout_mean_rel_err"], FORMS.index(f)))
+        return cls(chosen, candidates[chosen]["params"], num_blocks, candidates[chosen]["quality"], candidates)
+
+    def _depth(self, checkpointed) -> np.ndarray:
+        if checkpointed is None:
+            return np.asarray(float(self.num_blocks))
+        return check_depths(checkpointed, self.num_blocks)
+
+    def predict(self, batch_size, seq_len, checkpointed=None):
+        """Peak bytes; checkpointed=None means every block checkpointed (k = L, the runtime's
+        default). Scalars give a float, arrays broadcast and give an array."""
+        b = np.asarray(batch_size, dtype=np.float64)
+        s = np.asarray(seq_len, dtype=np.float64)
+        peak = _peak(self.params, b, s, self.num_blocks - self._depth(checkpointed))
+        return float(peak) if np.ndim(peak) == 0 else peak
+
+    def _per_block(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """Bytes one more un-checkpointed block adds at (B, S)."""
+        return _peak(self.params, b, s, 1.0) - _peak(self.params, b, s, 0.0)
+
+    def min_checkpointed(self, batch_size, seq_len, budget_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+        """(k, fits): the fewest checkpointed blocks whose predicted peak is <= budget_bytes, as int64
+        arrays broadcast over batch_size and seq_len, and whether (B, S) fits at all (at k = L;
+        k = L where it does not). Closed form, since the peak is linear in u = L - k."""
+        b, s = np.broadcast_arrays(np.asarray(batch_size, dtype=np.float64), np.asarray(seq_len, dtype=np.float64))
+        full = _peak(self.params, b, s, 0.0)  # k = L
+        per_block = self._per_block(b, s)
+        fits = full <= budget_bytes
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spare = np.where(per_block > 0, np.floor((budget_bytes - full) / per_block), self.num_blocks)
+        k = (self.num_blocks - np.clip(np.where(fits, spare, 0), 0, self.num_blocks)).astype(np.int64)
+        # float rounding of the quotient can overshoot by one block: take it back where it does
+        k = np.minimum(k + (_peak(self.params, b, s, self.num_blocks - k) > budget_bytes), self.num_blocks)
+        return k, fits
+
+    def max_batch_size(self, seq_len, budget_bytes: float, checkpointed=None) -> np.ndarray:
+        """Largest B whose predicted peak at (B, S, k) is <= budget_bytes, int64 broadcast over
+        seq_len and checkpointed: 0 where not even B = 1 fits, NO_BOUND where the model predicts no
+        memory per sample (then memory sets no bound on B)."""
+        s = np.asarray(seq_len, dtype=np.float64)
+        u = self.num_blocks - self._depth(checkpointed)
+        fixed = _peak(self.params, 0.0, s, u)
+        per_sample = _peak(self.params, 1.0, s, u) - fixed
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b = np.clip(np.floor((budget_bytes - fixed) / per_sample), 0.0, float(NO_BOUND))
+        b = np.where(per_sample > 0, b - (_peak(self.params, b, s, u) > budget_bytes) * (b > 0),  # float rounding
+                     np.where(fixed <= budget_bytes, float(NO_BOUND), 0.0))
+        return np.asarray(b).astype(np.int64)
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON (docs/memory.md)."""
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "form": self.form,
+            "num_blocks": self.num_blocks,
+            "params": self.params,
+            "quality": _nan_to_none(self.quality),
+        }
+        _write_json(path, doc)
+
+    @classmethod
+    def from_json(cls, path) -> "MemoryModel":
+        """Read a model written by to_json; ValueError naming the file for anything malformed."""
+        return _model_from_doc(_read_json(path), str(path))
+
+
+def _model_from_doc(doc, where: str) -> MemoryModel:
+    _check_header(doc, where, FORMAT, VERSION, ("form", "num_blocks", "params", "quality"))
+    form = doc["form"]
+    if form not in FORMS:
+        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
+    num_blocks = doc["num_blocks"]
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(f"{where}: 'num_blocks' must be an integer >= 0, got {num_blocks!r}")
+    _check_params(doc["params"], PARAM_NAMES[form], form, where)
+    return MemoryModel(form, doc["params"], num_blocks, _check_quality(doc["quality"], QUALITY_KEYS, where))

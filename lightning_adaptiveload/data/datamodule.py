@@ -27,10 +27,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
-from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index, read_members, scan_shard
+from lightning_adaptiveload.data.index import (SampleIndex, build_index, check_shards, index_fingerprint, read_index,
+                                               read_members, scan_shard)
 from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, SKIPPED_KEY, BadSample, check_config,
-                                                decode_meta, decode_sample, inspect_sample, mix_latent_shapes,
-                                                resolve_shards, shape_for_tokens, write_synthetic_shards, write_text)
+                                                decode_meta, decode_sample, failed_batch, inspect_sample,
+                                                mix_latent_shapes, raise_if_any_batch_failed, resolve_shards,
+                                                shape_for_tokens, write_synthetic_shards, write_text)
 from lightning_adaptiveload.data.webdataset_stream import StreamingLatentDataset
 from lightning_adaptiveload.scheduling.policies import batch_sizes, check_policy, require_int
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler, resolve_compute_budget
@@ -79,7 +81,7 @@ class IndexedShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         key = self.index.key(i)
         try:
-            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i))
+            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i), key)
             return decode_sample(key, files, **self.decode_kwargs)
         except BadSample as e:
             return {"key": key, "skip": e.reason, "detail": str(e)}
@@ -89,13 +91,12 @@ def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
     """Batch dict of decoded samples, written straight into float32 batch tensors; skip markers
     become batch["skipped"] (reason -> count). Samples whose shape differs from the batch's most
     common one (two unplanned shapes with equal tokens in one streaming bucket) are skipped as
-    "shape_collision". Raises if no sample of the batch survived."""
+    "shape_collision". If no sample of the batch survived: a `failed_batch` marker, on which
+    `on_before_batch_transfer` stops every rank together."""
     good = [s for s in samples if "skip" not in s]
     skipped = Counter(s["skip"] for s in samples if "skip" in s)
     if not good:
-        details = "; ".join(s["detail"] for s in samples[:3])
-        raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
-                           f"indexing? Re-run `adaptiveload index`.")
+        return failed_batch(samples)
     shape = Counter(s["latent_shape"] for s in good).most_common(1)[0][0]  # ties: the first sample's
     skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
     good = [s for s in good if s["latent_shape"] == shape]
@@ -296,6 +297,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         index = read_index(self.index_path, cache=self.index_cache)
         if not len(index):
             raise ValueError(f"index {self.index_path!r} lists no samples")
+        check_shards(index, self.index_path)  # missing or changed shards: a clear error before "outside `shards`"
         # realpath on both sides: the index resolves symlinks (its folder's), `shards` may not.
         known = {os.path.realpath(p) for p in self.shard_paths}
         foreign = np.flatnonzero([os.path.realpath(p) not in known for p in index.shard_paths])
@@ -444,7 +446,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             raise RuntimeError("build_sampler() needs setup() with an index first")
         return BucketBatchSampler(self._keys, policy=self.policy, m_mem=self.m_mem, m_comp=self.m_comp, p=self.p,
                                   cost_model=self.cost_model, num_replicas=num_replicas, rank=rank,
-                                  seed=self.seed, max_seq_len=int(self._keys.max()))
+                                  seed=self.seed, max_seq_len=int(self._keys.max()),
+                                  dataset_fingerprint=index_fingerprint(self.dataset.index, self._keys))
 
     def build_stream_dataset(self, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
         """The streaming dataset of one rank for the current configuration and cost model."""
@@ -512,4 +515,5 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, dict) and SKIPPED_KEY in batch:
             self._count_skipped(batch.pop(SKIPPED_KEY), where="the train stream")
+            raise_if_any_batch_failed(batch, self.trainer.strategy if self.trainer is not None else None)
         return batch

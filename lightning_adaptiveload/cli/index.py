@@ -33,7 +33,8 @@ def register(subparsers) -> None:
                    help="DiT patch (tokens column of the index)")
     p.add_argument("--extra-tokens", type=int, default=0, help="constant tokens per sample (tokens column)")
     p.add_argument("--duplicates", choices=DUPLICATES, default="first",
-                   help="a key seen before: keep the first sample and report the rest (first, default), or fail (error)")
+                   help="a key seen before: keep the first sample and report the rest (first, default), or fail "
+                        "(error)")
     p.set_defaults(func=lambda args: run_with_clear_errors("index", run, args))
 
 

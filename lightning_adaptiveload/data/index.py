@@ -124,8 +124,9 @@ def build_index(shards: list[str], index_path: str | Path, spec: TokenSpec = Tok
         count, bad = _write_index(shards, partial, base, spec, progress)
         repeated = [b for b in bad if b["reason"] == "duplicate_key"]
         if repeated and duplicates == "error":
-            raise ValueError(f"{len(repeated)} samples repeat a key indexed before ({'; '.join(summarize_duplicates(bad)[:3])}"
-                             f"); no index written (duplicates='first' keeps each key's first sample)")
+            pairs = "; ".join(summarize_duplicates(bad)[:3])
+            raise ValueError(f"{len(repeated)} samples repeat a key indexed before ({pairs}); no index written "
+                             f"(duplicates='first' keeps each key's first sample)")
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -152,7 +153,8 @@ def _write_index(shards: list[str], path: Path, base: Path, spec: TokenSpec, pro
                     bad.append({"shard": str(shard), "key": key, "reason": e.reason, "detail": str(e)})
                     continue
                 if key in first_shard:
-                    bad.append({"shard": str(shard), "key": key, "reason": "duplicate_key", "first_shard": first_shard[key],
+                    bad.append({"shard": str(shard), "key": key, "reason": "duplicate_key",
+                                "first_shard": first_shard[key],
                                 "detail": f"key {key!r} was indexed from {first_shard[key]} already (first kept)"})
                     continue
                 first_shard[key] = str(shard)
@@ -164,7 +166,8 @@ def _write_index(shards: list[str], path: Path, base: Path, spec: TokenSpec, pro
                 count += 1
             after = os.stat(shard)
             if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-                raise ValueError(f"shard {shard} changed while it was indexed (size or mtime); {REINDEX} once it is written")
+                raise ValueError(f"shard {shard} changed while it was indexed (size or mtime); {REINDEX} once it is "
+                                 f"written")
             out.write(json.dumps(shard_record(rel, after, table.hexdigest())) + "\n")
             out.writelines(lines)
     return count, bad
@@ -224,9 +227,8 @@ class SampleIndex:
 
     def members(self, i: int) -> dict[str, tuple[int, int, int]]:
         """{suffix: (data offset, size, header offset)} of sample i's members, bytes into its shard."""
-        return {s: (int(o), int(n), int(o) - int(h))
-                for s, o, n, h in zip(MEMBER_SUFFIXES, self.member_offset[i], self.member_size[i], self.member_header[i])
-                if o >= 0}
+        spans = zip(MEMBER_SUFFIXES, self.member_offset[i], self.member_size[i], self.member_header[i])
+        return {s: (int(o), int(n), int(o) - int(h)) for s, o, n, h in spans if o >= 0}
 
     def __getitem__(self, i: int) -> dict:
         """Sample i as its index line reads, with "shard" absolute and member spans as tuples."""
@@ -301,16 +303,18 @@ def _parse_row(row: dict, where: str, shard_ids: dict[str, int], shard_sizes: li
     for suffix, span in row["members"].items():
         if suffix not in _MEMBER_COLUMN:
             raise ValueError(f"{where}: field 'members' has suffix {suffix!r}, expected one of {MEMBER_SUFFIXES}")
-        if not is_int_list(span, 3, 0):
+        # unrolled is_int_list(span, 3, 0): this runs for every member of every line
+        offset, size, header = span if type(span) is list and len(span) == 3 else (None, None, None)
+        if not (type(offset) is type(size) is type(header) is int and size >= 0 and header >= 0):
             raise ValueError(f"{where}: member {suffix!r} must be [data offset, size, header offset] integers >= 0, "
                              f"got {span!r}")
-        offset, size, header = span
         if offset % _BLOCK or header % _BLOCK or not _BLOCK <= offset - header < 2**31:
             raise ValueError(f"{where}: member {suffix!r} span {span}: tar headers and data start at multiples of "
                              f"{_BLOCK} bytes, the data at least one header after the header offset")
         if offset + size > shard_sizes[shard]:
-            raise ValueError(f"{where}: member {suffix!r} of key {row['key']!r} spans bytes [{offset}, {offset + size}), "
-                             f"past the end of shard {row['shard']!r} ({shard_sizes[shard]} bytes when indexed)")
+            raise ValueError(f"{where}: member {suffix!r} of key {row['key']!r} spans bytes [{offset}, "
+                             f"{offset + size}), past the end of shard {row['shard']!r} ({shard_sizes[shard]} bytes "
+                             f"when indexed)")
         column = _MEMBER_COLUMN[suffix]
         offsets[column], sizes[column], headers[column] = offset, size, offset - header
     key = row["key"].encode()
@@ -485,7 +489,7 @@ def _load_cache(cache_path: Path, source: FileFingerprint) -> tuple[list[str], d
             else:
                 shards, arrays = npz["shards"].tolist(), {name: npz[name] for name in _CACHE_ARRAYS}
                 problem = _cache_arrays_problem(shards, arrays)
-    except Exception as e:  # noqa: BLE001 - damage anywhere (e.g. a zip header's compression method: NotImplementedError) means reparse
+    except Exception as e:  # noqa: BLE001 - any damage means a reparse (a flipped zip method: NotImplementedError)
         problem = f"unreadable ({type(e).__name__}: {e})"
     if problem:
         log.warning("index cache %s is not used: %s; parsing the index", cache_path, problem)
@@ -562,7 +566,8 @@ def check_shards(index: SampleIndex, where: str | Path) -> None:
                 changed.append(f"{path} (same size, but another member table: samples moved, renamed or replaced)")
     if missing:
         raise FileNotFoundError(f"index {where}: {len(missing)} shards it lists are missing or unreadable (deleted "
-                                f"or moved after indexing?), e.g. {missing[:3]}; {REINDEX} for the shards there are now")
+                                f"or moved after indexing?), e.g. {missing[:3]}; {REINDEX} for the shards there "
+                                f"are now")
     if changed:
         raise ValueError(f"index {where}: {len(changed)} shards changed after indexing, e.g. {changed[:3]}; "
                          f"reading them by the indexed offsets could give one sample's data under another's key; "

@@ -136,7 +136,7 @@ def build_index(shards: list[str], index_path: str | Path, spec: TokenSpec = Tok
 
 def _write_index(shards: list[str], path: Path, base: Path, spec: TokenSpec, progress: bool) -> tuple[int, list[dict]]:
     bad, count = [], 0
-    first_shard: dict[str, str] = {}  # key -> shard it was indexed from (about 100 bytes a key)
+    first_shard: dict[str, str] = {}  # key -> shard it was indexed from
     with open(path, "w", encoding="utf-8") as out:
         out.write(json.dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION}) + "\n")
         for shard in tqdm(shards, desc="index", unit="shard", disable=not progress):

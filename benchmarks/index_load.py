@@ -67,9 +67,13 @@ def private_dirty_bytes() -> int:
     raise RuntimeError("no Private_Dirty in /proc/self/smaps_rollup")
 
 
-def write_index(folder: Path, lines: int, shards: int, seed: int) -> Path:
-    """`lines` index lines over `shards` empty tars in `folder`; returns the index path."""
+def write_index(folder: Path, lines: int, shards: int, seed: int, legacy: bool = False) -> Path:
+    """`lines` index lines over `shards` empty tars in `folder`; returns the index path. Index format
+    version 2: a header line and a record before each shard's samples, each tar extended (sparse) to
+    the end of its last member so the records' sizes hold; with `legacy`, version 1 (no header, no
+    records, [offset, size] spans) for a --baseline package older than version 2."""
     from lightning_adaptiveload.data.datamodule import REFERENCE_MIX
+    from lightning_adaptiveload.data.index import INDEX_FORMAT, INDEX_VERSION, member_table_sha256, shard_record
     from lightning_adaptiveload.data.shards import mix_latent_shapes
     from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
 
@@ -82,25 +86,31 @@ def write_index(folder: Path, lines: int, shards: int, seed: int) -> Path:
     latent_bytes = 128 + 2 * 16 * drawn.prod(axis=1)  # float16 (16, T, H, W) .npy
     has_text = rng.random(lines) < 0.5
     per_shard = -(-lines // shards)
-    for s in range(shards):
-        with tarfile.open(folder / f"shard-{s:06d}.tar", "w"):
-            pass
     path = folder / "index.jsonl"
     with open(path, "w", encoding="utf-8") as out:
-        offset = 0
-        for i in range(lines):
-            if i % per_shard == 0:
-                offset = 512
-            t, h, w = (int(v) for v in drawn[i])
-            members = {"json": [offset, 60], "latent.npy": [offset + 1024, int(latent_bytes[i])]}
-            offset += 1536 + int(latent_bytes[i]) // 512 * 512
-            if has_text[i]:
-                members["text.npy"] = [offset, 128 + 2 * 512 * 4096]
-                offset += 4_194_816
-            row = {"key": f"sample{i:09d}", "shard": f"shard-{i // per_shard:06d}.tar", "members": members,
-                   "latent_shape": [t, h, w], "channels": 16,
-                   "text_shape": [512, 4096] if has_text[i] else None, "tokens": int(tokens[i])}
-            out.write(json.dumps(row) + "\n")
+        if not legacy:
+            out.write(json.dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION}) + "\n")
+        for s in range(shards):
+            shard, rows, offset = f"shard-{s:06d}.tar", [], 512
+            for i in range(s * per_shard, min(lines, (s + 1) * per_shard)):
+                t, h, w = (int(v) for v in drawn[i])
+                members = {"json": [offset, 60], "latent.npy": [offset + 1024, int(latent_bytes[i])]}
+                offset += 1536 + int(latent_bytes[i]) // 512 * 512
+                if has_text[i]:
+                    members["text.npy"] = [offset, 128 + 2 * 512 * 4096]
+                    offset += 4_194_816
+                if not legacy:  # the header offset: one 512-byte header before each member's data
+                    members = {suffix: [at, size, at - 512] for suffix, (at, size) in members.items()}
+                rows.append({"key": f"sample{i:09d}", "shard": shard, "members": members, "latent_shape": [t, h, w],
+                             "channels": 16, "text_shape": [512, 4096] if has_text[i] else None,
+                             "tokens": int(tokens[i])})
+            with tarfile.open(folder / shard, "w"):
+                pass
+            if not legacy:
+                os.truncate(folder / shard, max(offset, (folder / shard).stat().st_size))
+                st = (folder / shard).stat()
+                out.write(json.dumps(shard_record(shard, st, member_table_sha256(folder / shard))) + "\n")
+            out.writelines(json.dumps(row) + "\n" for row in rows)
     return path
 
 
@@ -191,21 +201,26 @@ def main() -> None:
         index_path = write_index(tmp / "data", args.lines, args.shards, args.seed)
         print(f"wrote {args.lines} index lines ({index_path.stat().st_size / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - start:.1f} s")
-        versions = {"this checkout": REPO}
+        versions = {"this checkout": (REPO, tmp / "data")}
         if args.baseline:
             old = tmp / "baseline"
             old.mkdir()
             archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "lightning_adaptiveload"],
                                      check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-            versions = {f"baseline {args.baseline}": old, **versions}
-        runs = [(v, p) for v in versions.items() for p in PHASES] + [(("this checkout", REPO), p) for p in CACHE_PHASES]
+            index_module = (old / "lightning_adaptiveload" / "data" / "index.py").read_text()
+            legacy = "INDEX_VERSION" not in index_module  # older than index format version 2
+            (tmp / "baseline_data").mkdir()
+            write_index(tmp / "baseline_data", args.lines, args.shards, args.seed, legacy=legacy)
+            versions = {f"baseline {args.baseline}": (old, tmp / "baseline_data"), **versions}
+        runs = [(v, p) for v in versions.items() for p in PHASES] + [
+            (("this checkout", versions["this checkout"]), p) for p in CACHE_PHASES]
         rows, cache_path = [], index_path.with_name(index_path.name + ".npz")
-        for (name, root), phase in tqdm(runs, desc="measure"):
+        for (name, (root, data)), phase in tqdm(runs, desc="measure"):
             if phase == "cache_write":
                 cache_path.unlink(missing_ok=True)
             written = cache_path.stat().st_ino if phase.startswith("cached") else None
-            result = run_child(phase, tmp / "data", root)
+            result = run_child(phase, data, root)
             if written is not None and cache_path.stat().st_ino != written:
                 raise RuntimeError(f"{phase}: the cache was rewritten, so this run parsed instead of loading it")
             if not result["module"].startswith(str(root)):

@@ -9,20 +9,19 @@ from collections import Counter
 
 import torch
 
-from lightning_adaptiveload.data.shards import SKIPPED_KEY, write_text
+from lightning_adaptiveload.data.shards import SKIPPED_KEY, failed_batch, write_text
 
 
 def collate_samples(samples: list[dict], text_len: int, text_dim: int) -> dict:
     """Batch dict of decoded samples, written straight into float32 batch tensors; skip markers
     ({"key", "skip": reason, "detail"}) become batch["skipped"] (reason -> count). Samples whose
     shape differs from the batch's most common one (two unplanned shapes with equal tokens in one
-    streaming bucket) are skipped as "shape_collision". Raises if no sample of the batch survived."""
+    streaming bucket) are skipped as "shape_collision". If no sample of the batch survived: a
+    `failed_batch` marker, on which `on_before_batch_transfer` stops every rank together."""
     good = [s for s in samples if "skip" not in s]
     skipped = Counter(s["skip"] for s in samples if "skip" in s)
     if not good:
-        details = "; ".join(s["detail"] for s in samples[:3])
-        raise RuntimeError(f"every sample of a batch failed to load ({details}); the shards changed after "
-                           f"indexing? Re-run `adaptiveload index`.")
+        return failed_batch(samples)
     shape = Counter(s["latent_shape"] for s in good).most_common(1)[0][0]  # ties: the first sample's
     skipped["shape_collision"] += sum(s["latent_shape"] != shape for s in good)
     good = [s for s in good if s["latent_shape"] == shape]

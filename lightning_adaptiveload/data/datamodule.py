@@ -29,7 +29,8 @@ from lightning_adaptiveload._distributed import world_size_and_rank
 from lightning_adaptiveload._validation import require_choice, require_int
 from lightning_adaptiveload.data.index import build_index
 from lightning_adaptiveload.data.map_style import MapStyleSource
-from lightning_adaptiveload.data.shards import SKIPPED_KEY, resolve_shards, shape_for_tokens, write_synthetic_shards
+from lightning_adaptiveload.data.shards import (SKIPPED_KEY, raise_if_any_batch_failed, resolve_shards, shape_for_tokens,
+                                                write_synthetic_shards)
 from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
 from lightning_adaptiveload.data.webdataset_stream import StreamingSource
 from lightning_adaptiveload.scheduling.buckets import OVERSIZE, BucketTable, schedule_keys
@@ -274,4 +275,5 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, dict) and SKIPPED_KEY in batch:
             self._count_skipped(batch.pop(SKIPPED_KEY), where="the train stream")
+            raise_if_any_batch_failed(batch, self.trainer.strategy if self.trainer is not None else None)
         return batch

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.data.index import SampleIndex, read_index, read_members
+from lightning_adaptiveload.data.index import SampleIndex, check_shards, index_fingerprint, read_index, read_members
 from lightning_adaptiveload.data.shards import BadSample
 from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
@@ -39,7 +39,7 @@ class IndexedShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         key = self.index.key(i)
         try:
-            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i))
+            files = read_members(self._fds, self.index.shard_path(i), self.index.members(i), key)
             return self.decode(key, files)
         except BadSample as e:
             return {"key": key, "skip": e.reason, "detail": str(e)}
@@ -100,6 +100,7 @@ class MapStyleSource:
         index = read_index(self.index_path, cache=self.index_cache)
         if not len(index):
             raise ValueError(f"index {self.index_path!r} lists no samples")
+        check_shards(index, self.index_path)  # missing or changed shards: a clear error before "outside `shards`"
         # realpath on both sides: the index resolves symlinks (its folder's), `shards` may not.
         known = {os.path.realpath(p) for p in self.shard_paths}
         foreign = np.flatnonzero([os.path.realpath(p) not in known for p in index.shard_paths])
@@ -144,7 +145,8 @@ class MapStyleSource:
         keys = self.sample_keys()
         # max_seq_len: samples were admitted at setup; keys sit above true tokens by collision offsets
         return BucketBatchSampler(keys, **scheduling, num_replicas=num_replicas, rank=rank, seed=self.seed,
-                                  drop_last=self.drop_last, max_seq_len=int(keys.max()))
+                                  drop_last=self.drop_last, max_seq_len=int(keys.max()),
+                                  dataset_fingerprint=index_fingerprint(self.dataset.index, keys))
 
     def train_loader(self, scheduling: dict, num_replicas: int | None, rank: int | None,
                      epoch_fn: Callable[[], int] | None = None) -> MapStyleLoader:

@@ -20,6 +20,7 @@ import json
 import os
 import tarfile
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import braceexpand
@@ -40,7 +41,8 @@ PTH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Why a sample was skipped (keys of the DataModule's `skipped` counter).
 SKIP_REASONS = (
-    "read_error",        # tar truncated or unreadable, member bytes unavailable
+    "read_error",        # tar truncated or unreadable, member bytes unavailable (any read failure)
+    "shard_changed",     # the tar header at an indexed offset names another member: shard rewritten after indexing
     "missing_latent",    # no .latent.npy/.latent.pth member
     "missing_json",      # no .json member
     "bad_json",          # JSON undecodable, not an object, or latent_shape malformed
@@ -48,13 +50,14 @@ SKIP_REASONS = (
     "bad_ndim",          # latent is not (C, T, H, W)
     "bad_dtype",         # latent dtype not float16/float32 (npy) or float16/bfloat16/float32 (pth)
     "bad_shape",         # latent (T, H, W) differs from the JSON, wrong C, or below one patch
-    "non_finite",        # latent holds NaN or inf
+    "non_finite",        # latent or text embedding holds NaN or inf
     "bad_text",          # text embedding undecodable, not (L, D_text), or not float
     "over_max_seq_len",  # tokens above max_seq_len with oversize="drop"
     "shape_collision",   # streaming: an unplanned shape shared a bucket with another shape
 )
 STAND_IN_VOCAB = 1024  # rows of the stand-in text embedding table
 SKIPPED_KEY = "skipped"  # batch entry carrying skip counts out of DataLoader workers
+FAILED_KEY = "failed"  # entry of the marker a collate returns for a batch whose every sample failed
 
 
 class BadSample(ValueError):
@@ -261,7 +264,7 @@ def _decode_text(data: bytes, key: str) -> np.ndarray:
 
 def inspect_sample(key: str, files: dict[str, bytes]) -> tuple[dict, torch.Tensor, np.ndarray | None]:
     """Checks that need no configuration: JSON, latent decodes as a finite float (C, T, H, W)
-    matching the JSON's latent_shape, text (if any) a float (L, D) array.
+    matching the JSON's latent_shape, text (if any) a finite float (L, D) array.
     Returns (meta, latent tensor in its stored dtype, text array or None); raises BadSample."""
     meta = decode_meta(files.get(META_SUFFIX), key)
     latent = _decode_latent(files, key)
@@ -270,12 +273,19 @@ def inspect_sample(key: str, files: dict[str, bytes]) -> tuple[dict, torch.Tenso
     if list(latent.shape[1:]) != meta["latent_shape"]:
         raise BadSample("bad_shape", f"sample {key!r}: latent (C, T, H, W) {tuple(latent.shape)} but JSON "
                         f"latent_shape {meta['latent_shape']}")
+    _check_finite(latent, key, "latent")
+    text = _decode_text(files[TEXT_SUFFIX], key) if TEXT_SUFFIX in files else None
+    if text is not None:
+        _check_finite(torch.from_numpy(text), key, "text embedding")
+    return meta, latent, text
+
+
+def _check_finite(values: torch.Tensor, key: str, what: str) -> None:
+    """BadSample("non_finite") if `values` holds NaN or inf: one such sample makes the loss NaN on every rank."""
     # One reduction instead of an elementwise mask: NaN/inf make the sum non-finite; only then
     # look closer (a finite sum that overflowed is a false alarm of the shortcut).
-    if not torch.isfinite(latent.sum(dtype=torch.float32)) and not torch.isfinite(latent).all():
-        raise BadSample("non_finite", f"sample {key!r}: latent holds NaN or inf")
-    text = _decode_text(files[TEXT_SUFFIX], key) if TEXT_SUFFIX in files else None
-    return meta, latent, text
+    if not torch.isfinite(values.sum(dtype=torch.float32)) and not torch.isfinite(values).all():
+        raise BadSample("non_finite", f"sample {key!r}: {what} holds NaN or inf")
 
 
 def check_config(key: str, channels: int, thw: tuple[int, int, int], text_dim_found: int | None, *,
@@ -313,6 +323,32 @@ def decode_sample(key: str, files: dict[str, bytes], *, spec: TokenSpec, latent_
         latent = resize_latent(latent.float(), thw)
     return {"key": key, "latent": latent, "text": None if text is None else torch.from_numpy(text[:text_len]),
             "text_seed": str(meta.get("caption") or key), "latent_shape": thw, "seq_len": seq_len}
+
+
+# --- batches whose every sample failed ------------------------------------------------------
+
+def failed_batch(samples: list[dict]) -> dict:
+    """What a collate function returns instead of a batch when every sample of it failed (each a
+    {"key", "skip": reason, "detail"} marker): the skip counts and the first failures' details.
+    Raising in the collate would stop this rank alone while the others wait in the step's
+    collectives; the marker reaches the main process, where `raise_if_any_batch_failed` stops
+    every rank together."""
+    return {SKIPPED_KEY: dict(Counter(s["skip"] for s in samples)),
+            FAILED_KEY: "; ".join(s["detail"] for s in samples[:3])}
+
+
+def raise_if_any_batch_failed(batch: dict, strategy=None) -> None:
+    """Raise the same RuntimeError on every rank when any rank's batch of this step is a
+    `failed_batch` marker. With `strategy` (Lightning's `trainer.strategy`; None without a trainer)
+    the ranks agree through one all-reduce of one number (`reduce_boolean_decision`), so every rank
+    must call this once per step with its batch; the host waits for that number (on GPU, until the
+    device has run the work queued before it)."""
+    failed = FAILED_KEY in batch
+    if (strategy.reduce_boolean_decision(failed, all=False) if strategy is not None else failed):
+        here = f"this rank: {batch[FAILED_KEY]}" if failed else "this rank read its batch; see the others' logs"
+        raise RuntimeError(f"every sample of a batch failed to load, on at least one rank ({here}); every rank stops "
+                           f"at this step. Did the shards change after indexing, or are they unreadable? Re-run "
+                           f"`adaptiveload index`.")
 
 
 # --- synthetic shards -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ folder says what was checked), so the scheduling core imports no torch.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import numpy as np
@@ -18,6 +19,7 @@ from lightning_adaptiveload.scheduling.epoch_plan import EpochPlan, group_by_buc
 from lightning_adaptiveload.scheduling.policies import POLICIES
 
 STATE_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 class BucketBatchSampler:
@@ -29,7 +31,9 @@ class BucketBatchSampler:
     default m_mem (one sample above the memory budget cannot run safely); longer ones are dropped
     (counted in `stats`) or, with oversize="resize", put in the largest allowed bucket
     (`target_seq_lens` says which; the dataset must resize them). num_replicas/rank default to
-    torch.distributed's, else 1/0.
+    torch.distributed's, else 1/0. dataset_fingerprint: an opaque string naming the dataset's
+    samples in order (the DataModule's `index_fingerprint`); saved in the state and checked on load,
+    so a resume never maps positions of one index onto another.
 
     With Lightning use `DataLoader(dataset, batch_sampler=sampler)` and
     `Trainer(use_distributed_sampler=False)`; Lightning calls `set_epoch` each epoch (through the
@@ -38,7 +42,8 @@ class BucketBatchSampler:
 
     def __init__(self, seq_lens, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
                  cost_model=None, num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = True, max_seq_len: int | None = None, oversize: str = "drop"):
+                 drop_last: bool = True, max_seq_len: int | None = None, oversize: str = "drop",
+                 dataset_fingerprint: str | None = None):
         require_choice("policy", policy, POLICIES)
         m_mem = require_int("m_mem (tokens per batch)", m_mem)
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
@@ -49,6 +54,7 @@ class BucketBatchSampler:
             raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas=}, {rank=}")
         self.policy, self.m_mem, self.max_seq_len, self.oversize = policy, int(m_mem), int(max_seq_len), oversize
         self.seed, self.drop_last, self.cost_model = int(seed), bool(drop_last), cost_model
+        self.dataset_fingerprint = dataset_fingerprint
         self.bucket_of, self.bucket_seq_len = assign_buckets(seq_lens, self.max_seq_len, oversize)
         counts = np.bincount(self.bucket_of[self.bucket_of >= 0], minlength=len(self.bucket_seq_len))
         self.bucket_table = BucketTable.build(self.bucket_seq_len, counts, policy=policy, m_mem=self.m_mem,
@@ -131,7 +137,7 @@ class BucketBatchSampler:
         if steps_consumed is not None:
             segments[-1][1] = int(steps_consumed)
         return {"version": STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "segments": segments,
-                "config": self._config()}
+                "config": self._config(), "dataset_fingerprint": self.dataset_fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` stopped: the same plan if the world size is unchanged, else the
@@ -139,6 +145,7 @@ class BucketBatchSampler:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state must be a dict with version {STATE_VERSION}, got "
                              f"{state.get('version') if isinstance(state, dict) else type(state).__name__!r}")
+        self._check_fingerprint(state.get("dataset_fingerprint"))
         saved = state.get("config") if isinstance(state.get("config"), dict) else {}
         changed = {k: (saved.get(k), v) for k, v in self._config().items() if saved.get(k) != v}
         if changed:
@@ -150,3 +157,18 @@ class BucketBatchSampler:
         if segments[-1][0] != self.num_replicas:
             segments.append([self.num_replicas, 0])
         self._segments = segments
+
+    def _check_fingerprint(self, saved: str | None) -> None:
+        """Refuse a state saved for another dataset: its positions would name other samples, so the
+        rest of the epoch would repeat some and skip others. A state or sampler without a
+        fingerprint (older checkpoints) cannot be checked: one warning."""
+        if saved == self.dataset_fingerprint:
+            return
+        if saved is None or self.dataset_fingerprint is None:
+            log.warning("resuming a sampler state without checking its dataset (fingerprint of the state: %r, of "
+                        "this sampler: %r)", saved, self.dataset_fingerprint)
+            return
+        raise ValueError(f"sampler state was saved for another dataset: its fingerprint is {saved!r}, this run's is "
+                         f"{self.dataset_fingerprint!r} (the index was rebuilt, reordered or filtered differently). "
+                         f"Resuming would repeat or skip samples of this epoch: resume with the index the checkpoint "
+                         f"was made with, or leave out the loader state to restart the epoch (docs/data.md)")

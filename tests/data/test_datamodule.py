@@ -11,7 +11,8 @@ from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.shards import write_shard
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
-from tests.helpers.data import C, D_TEXT, L_TEXT, SHAPES, KeyRecorder, tokens_ref, trainer, write_dataset
+from tests.helpers.data import (C, D_TEXT, L_TEXT, SHAPES, KeyRecorder, tokens_ref, trainer, write_dataset,
+                                write_index_lines)
 
 
 def make_dm(root, **kw):
@@ -90,7 +91,7 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     # corrupt the latent bytes of one scheduled sample (in a batch of >= 2) after indexing
     batch = next(b for b in dm.train_dataloader().batch_sampler if len(b) >= 2)
     row = dm.source.dataset.index[batch[0]]
-    offset, size = row["members"]["latent.npy"]
+    offset, size, _ = row["members"]["latent.npy"]
     with open(row["shard"], "r+b") as f:
         f.seek(offset)
         f.write(b"\0" * 16)
@@ -101,7 +102,7 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     assert "bad_latent=1" in caplog.text
     # a batch whose every sample fails cannot be filled: a clear error, not an empty batch
     for i in batch:
-        offset, _ = dm.source.dataset.index[i]["members"]["latent.npy"]
+        offset, _, _ = dm.source.dataset.index[i]["members"]["latent.npy"]
         with open(dm.source.dataset.index[i]["shard"], "r+b") as f:
             f.seek(offset)
             f.write(b"\0" * 16)
@@ -235,7 +236,6 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
     """setup() checks each distinct (C, T, H, W, D_text) once; the result must equal check_config
     called on every index line (kept samples, their order, skip counts, scheduled tokens)."""
     from collections import Counter
-    import json
     from lightning_adaptiveload.data.shards import BadSample, check_config
 
     rng = np.random.default_rng(21)
@@ -246,7 +246,7 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
               "channels": int(rng.choice([C, C, C, 3])),
               "text_shape": None if rng.random() < 0.5 else [L_TEXT, int(rng.choice([D_TEXT, D_TEXT, 7]))]}
              for i in range(300)]
-    (tmp_path / "index.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    write_index_lines(tmp_path / "index.jsonl", lines)
     dm = make_dm(tmp_path, max_seq_len=30, oversize="resize")
     kept, thw, tokens, skipped = [], [], [], Counter()
     for line in lines:

@@ -13,16 +13,16 @@ import pytest
 import lightning_adaptiveload.data.index as index_mod
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index import index_cache_path, read_index
-from tests.helpers.data import random_index_lines
+from tests.helpers.data import index_v2_lines, random_index_lines
 
-ARRAYS = ("shard", "member_offset", "member_size", "latent_shape", "channels", "text_shape", "tokens", "key_blob",
-          "key_end")
+ARRAYS = ("shard", "member_offset", "member_size", "member_header", "latent_shape", "channels", "text_shape", "tokens",
+          "key_blob", "key_end", "shard_size", "shard_mtime_ns", "shard_sha256")
 
 
-def random_lines(rng, n: int) -> list[dict]:
-    """Random index lines (see test_data_shards) whose member offsets all have 9 digits, so one can
-    be edited in place without changing the file's size."""
-    return random_index_lines(rng, n, offsets=(10**8, 10**9), with_json=True)
+def random_lines(rng, n: int, folder) -> tuple[list[dict], list[str]]:
+    """Random index lines (see test_data_shards) whose member offsets all have 9 digits, and the text
+    lines of a version-2 index of them in `folder` (`index_v2_lines`)."""
+    return index_v2_lines(random_index_lines(rng, n, offsets=(10**8, 10**9 - 512), with_json=True), folder)
 
 
 def expected_rows(path, lines) -> list[dict]:
@@ -45,9 +45,9 @@ def forbid_parse(monkeypatch) -> None:
 
 
 def index_file(tmp_path, n=50, seed=0):
-    lines = random_lines(np.random.default_rng(seed), n)
+    lines, text = random_lines(np.random.default_rng(seed), n, tmp_path)
     path = tmp_path / "index.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    path.write_text("".join(t + "\n" for t in text))
     return path, lines
 
 
@@ -85,17 +85,18 @@ def test_same_size_edit_with_restored_mtime_is_detected_by_the_hash(tmp_path, ca
     path, lines = index_file(tmp_path)
     read_index(path)
     before = path.stat()
-    old = lines[17]["members"]["json"][0]
-    new = old + 1 if old < 10**9 - 1 else old - 1
+    old = lines[17]["members"]["json"][0]  # a data offset: moved one block, its header with it (digits kept)
+    new = old + 512 if old < 10**9 - 1024 else old - 512
     text = path.read_text()
-    assert text.count(str(old)) == 1
-    path.write_text(text.replace(str(old), str(new)))
+    assert text.count(f"[{old}, ") == 1 and text.count(f", {old - 512}]") == 1
+    path.write_text(text.replace(f"[{old}, ", f"[{new}, ").replace(f", {old - 512}]", f", {new - 512}]"))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     lines[17]["members"]["json"][0] = new
+    lines[17]["members"]["json"][2] = new - 512
     with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
         index = read_index(path)
-    assert index.members(17)["json"] == (new, lines[17]["members"]["json"][1])
+    assert index.members(17)["json"] == (new, lines[17]["members"]["json"][1], new - 512)
     assert list(index) == expected_rows(path, lines)
     assert "sha256" in caplog.text
     assert_same_index(read_index(path), read_index(path, cache=False))  # rewritten, and valid
@@ -182,7 +183,7 @@ def test_index_changed_during_the_parse_writes_no_cache(tmp_path, monkeypatch):
     def parse_then_append(p):
         result = real_parse(p)
         with open(p, "a") as f:
-            f.write(json.dumps(lines[0]) + "\n")
+            f.write(json.dumps({**lines[0], "key": "appended"}) + "\n")
         return result
     monkeypatch.setattr(index_mod, "_parse_index", parse_then_append)
     assert len(read_index(path)) == 10

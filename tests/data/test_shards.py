@@ -17,7 +17,7 @@ from lightning_adaptiveload.data.shards import (BadSample, decode_sample, encode
                                                 resize_latent, resolve_shards, shape_for_tokens, stand_in_text,
                                                 write_shard, write_synthetic_shards, write_text)
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec
-from tests.helpers.data import Evil, corrupt_cases, random_index_lines, tokens_ref
+from tests.helpers.data import Evil, corrupt_cases, index_v2_lines, random_index_lines, tokens_ref
 
 SPEC = TokenSpec()
 DECODE = dict(spec=SPEC, latent_channels=4, text_len=6, text_dim=8, max_seq_len=None)
@@ -123,7 +123,7 @@ def test_index_round_trip_and_bad_samples(tmp_path):
             continue
         latent, text = good[row["key"]]
         assert row["latent_shape"] == list(latent.shape[1:]) and row["tokens"] == tokens_ref(*latent.shape[1:])
-        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
+        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"], row["key"]), **DECODE)
         np.testing.assert_array_equal(out["latent"].numpy(), latent.astype(np.float32))
 
 
@@ -159,7 +159,7 @@ def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):
     build_index(resolve_shards(str(tmp_path)), tmp_path / "index.jsonl", SPEC, progress=False)
     fds = OrderedDict()
     for row in list(read_index(tmp_path / "index.jsonl")) * 2:
-        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"]), **DECODE)
+        out = decode_sample(row["key"], read_members(fds, row["shard"], row["members"], row["key"]), **DECODE)
         np.testing.assert_array_equal(out["latent"].float().numpy(), good[row["key"]][0].astype(np.float32))
         assert len(fds) <= 2
     assert len(set(fds.values())) == len(fds)
@@ -167,8 +167,8 @@ def test_read_members_keeps_few_files_open(tmp_path, monkeypatch):
 
 def test_read_members_io_error_is_a_bad_sample(tmp_path):
     fds = OrderedDict([(str(tmp_path), os.open(tmp_path, os.O_RDONLY))])  # pread on a folder: EISDIR
-    with pytest.raises(BadSample, match="read_error: .*member json at byte 0"):
-        read_members(fds, str(tmp_path), {"json": (0, 10)})
+    with pytest.raises(BadSample, match="read_error: .*member json at byte 0: IsADirectoryError"):
+        read_members(fds, str(tmp_path), {"json": (512, 10, 0)}, "k")
     os.close(fds[str(tmp_path)])
 
 
@@ -205,11 +205,22 @@ def test_resolve_shards_errors(tmp_path):
 
 def test_read_index_errors(tmp_path):
     bad = tmp_path / "i.jsonl"
-    bad.write_text('{"key": "a", "shard": "x.tar", "members": {}, "latent_shape": [1, 2, 2], "channels": 4}\n{oops\n')
-    with pytest.raises(ValueError, match=r"i.jsonl:2: not valid JSON"):
+    _, text = index_v2_lines([{"key": "a", "shard": "x.tar", "members": {}, "latent_shape": [1, 2, 2], "channels": 4}],
+                             tmp_path)
+    bad.write_text("\n".join(text) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"i.jsonl:4: not valid JSON"):
         read_index(bad)
-    bad.write_text('{"key": "a", "shard": "x.tar", "members": {}, "latent_shape": [1, 2], "channels": 4}\n')
-    with pytest.raises(ValueError, match="latent_shape"):
+    bad.write_text("\n".join(text).replace("[1, 2, 2]", "[1, 2]") + "\n")
+    with pytest.raises(ValueError, match="i.jsonl:3: field 'latent_shape'"):
+        read_index(bad)
+    bad.write_text("\n".join(text[:1] + text[2:]) + "\n")  # no shard record
+    with pytest.raises(ValueError, match="i.jsonl:2: shard 'x.tar' has no shard record on an earlier line"):
+        read_index(bad)
+    bad.write_text("\n".join(text[:2] + text[1:]) + "\n")
+    with pytest.raises(ValueError, match="i.jsonl:3: a second shard record for 'x.tar'"):
+        read_index(bad)
+    bad.write_text("\n".join(text + ['{"shard": "y.tar"}']) + "\n")
+    with pytest.raises(ValueError, match="i.jsonl:4: neither a sample line"):
         read_index(bad)
     with pytest.raises(FileNotFoundError):
         read_index(tmp_path / "nope.jsonl")
@@ -218,9 +229,9 @@ def test_read_index_errors(tmp_path):
 def test_read_index_columns_equal_the_lines(tmp_path, monkeypatch):
     import lightning_adaptiveload.data.index as index_mod
     monkeypatch.setattr(index_mod, "_CHUNK_ROWS", 7)  # several packed chunks and a partial last one
-    lines = random_index_lines(np.random.default_rng(11), 40)
+    lines, text = index_v2_lines(random_index_lines(np.random.default_rng(11), 40), tmp_path)
     path = tmp_path / "i.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" + ("\n" if i % 9 == 0 else "") for i, line in enumerate(lines)))
+    path.write_text("".join(t + "\n" + ("\n" if i % 9 == 0 else "") for i, t in enumerate(text)))
     expected = [{**line, "shard": str(tmp_path.resolve() / line["shard"]), "tokens": line.get("tokens", -1),
                  "members": {s: tuple(span) for s, span in line["members"].items()}} for line in lines]
     index = read_index(path)
@@ -235,9 +246,13 @@ def test_read_index_columns_equal_the_lines(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"members": {"latent.mp4": [0, 1]}}, "suffix 'latent.mp4'"),
-    ({"members": {"json": [0, -1]}}, "member 'json' must be"),
-    ({"members": {"json": [0]}}, "member 'json' must be"),
+    ({"members": {"latent.mp4": [512, 1, 0]}}, "suffix 'latent.mp4'"),
+    ({"members": {"json": [512, -1, 0]}}, "member 'json' must be"),
+    ({"members": {"json": [512, 10]}}, "member 'json' must be"),
+    ({"members": {"json": [1000, 10, 0]}}, "multiples of 512 bytes"),
+    ({"members": {"json": [512, 10, 512]}}, "multiples of 512 bytes"),
+    ({"members": {"json": [512, 10**12, 0]}}, r"spans bytes \[512, 1000000000512\), past the end of shard 'x.tar'"),
+    ({"shard": "y.tar"}, "shard 'y.tar' has no shard record"),
     ({"latent_shape": [0, 2, 2]}, "latent_shape"),
     ({"latent_shape": [1, "2", 2]}, "latent_shape"),
     ({"text_shape": [3]}, "text_shape"),
@@ -246,9 +261,10 @@ def test_read_index_columns_equal_the_lines(tmp_path, monkeypatch):
 ])
 def test_read_index_rejects_bad_fields(tmp_path, change, message):
     good = {"key": "a", "shard": "x.tar", "members": {"json": [512, 10]}, "latent_shape": [1, 2, 2], "channels": 4}
+    _, text = index_v2_lines([good], tmp_path)
     path = tmp_path / "i.jsonl"
-    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
-    with pytest.raises(ValueError, match=f"i.jsonl:2: .*{message}"):
+    path.write_text("\n".join(text) + "\n" + json.dumps({**good, "key": "b", **change}) + "\n")
+    with pytest.raises(ValueError, match=f"i.jsonl:4: .*{message}"):
         read_index(path)
 
 
@@ -265,7 +281,7 @@ def test_synthetic_shards_follow_the_mix(tmp_path):
     frac = shapes.count((1, 8, 8)) / 300
     assert abs(frac - 0.7) < 4 * math.sqrt(0.21 / 300)  # binomial, 4 sigma
     assert set(shapes) <= {(1, 8, 8), (1, 4, 8), shape_for_tokens(200, SPEC)}
-    out = decode_sample(rows[0]["key"], read_members(OrderedDict(), rows[0]["shard"], rows[0]["members"]), **{**DECODE, "text_dim": 8})
+    out = decode_sample(rows[0]["key"], read_members(OrderedDict(), rows[0]["shard"], rows[0]["members"], rows[0]["key"]), **{**DECODE, "text_dim": 8})
     assert 0.7 < out["latent"].float().std() < 1.3  # N(0, 1) data, not zeros
 
 

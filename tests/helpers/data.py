@@ -128,3 +128,66 @@ class KeyRecorder(L.LightningModule):
 def trainer(tmp_path, **kw):
     return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+
+def index_v2_lines(lines: list[dict], folder) -> tuple[list[dict], list[str]]:
+    """Sample lines written by hand (spans [offset, size], as `random_index_lines` makes them) as a
+    version-2 index in `folder` holds them: (the lines with each span [data offset moved up to a
+    512-byte block, size, header offset one block before], the file's text lines: the header line,
+    and a shard record before each shard's first sample). A shard that exists (relative to `folder`)
+    gets its real record (`shard_record`); others a record whose size covers every member."""
+    from pathlib import Path
+    from lightning_adaptiveload.data.index import INDEX_FORMAT, INDEX_VERSION, member_table_sha256, shard_record
+
+    out, text, recorded = [], [json.dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION})], set()
+    for line in lines:
+        members = {}
+        for suffix, (offset, size, *_) in line["members"].items():
+            offset = max(512, -(-offset // 512) * 512)
+            members[suffix] = [offset, size, offset - 512]
+        out.append({**line, "members": members})
+    for line in out:
+        shard = line["shard"]
+        if shard not in recorded:
+            recorded.add(shard)
+            path = Path(folder) / shard
+            if path.is_file():
+                record = shard_record(shard, path.stat(), member_table_sha256(path))
+            else:
+                end = max((o + n for row in out if row["shard"] == shard for o, n, _ in row["members"].values()),
+                          default=0)
+                record = {"shard": shard, "size": end, "mtime_ns": 0, "member_table_sha256": "0" * 64}
+            text.append(json.dumps(record))
+        text.append(json.dumps(line))
+    return out, text
+
+
+def write_index_lines(path, lines: list[dict]) -> list[dict]:
+    """Write hand-made sample lines as a version-2 index file at `path` (see `index_v2_lines`);
+    returns the lines as written."""
+    out, text = index_v2_lines(lines, path.parent)
+    path.write_text("".join(t + "\n" for t in text))
+    return out
+
+
+DM_ARGS = dict(policy="token_equal", m_mem=128, latent_channels=C, text_len=L_TEXT, text_dim=D_TEXT, num_workers=0,
+               seed=3)
+
+
+def indexed_datamodule(root, **kw):
+    """The map-style AdaptiveLoadDataModule of `write_dataset(root)` (DM_ARGS, overridden by `kw`), set up."""
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    dm = AdaptiveLoadDataModule(**{"shards": str(root), "index": str(root / "index.jsonl"), **DM_ARGS, **kw})
+    dm.setup("fit")
+    return dm
+
+
+def overwrite_keeping_mtime(path, offset: int, data: bytes) -> None:
+    """Write `data` at byte `offset` of `path` in place, then restore its mtime: a change that size and
+    mtime do not show (bit rot, or a writer that keeps timestamps)."""
+    import os
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
+from lightning_adaptiveload.scheduling import metrics
 from lightning_adaptiveload.scheduling.policies import require_int
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
@@ -14,28 +15,26 @@ from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatc
 
 def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) -> dict:
     """Load-balance metrics of per-rank step times. All inputs (steps, world_size): predicted time
-    (ms), tokens and samples each rank ran at each step.
+    (ms), tokens and samples each rank ran at each step. Definitions in scheduling/metrics.py:
 
-    load_cv_mean: mean over steps of std/mean (population std) across ranks;
-    load_max_over_mean_mean: mean over steps of max/mean; bubble_frac: 1 - sum(step mean) / sum(step max);
-    predicted_tokens_per_s, predicted_samples_per_s: all ranks' work over the sum of step max times;
-    step_time_cv: std/mean over steps of the step time (the slowest rank's).
+    load_cv_mean: mean over steps of the CV across ranks; load_max_over_mean_mean: mean over steps
+    of max/mean; bubble_frac: the time-weighted bubble fraction; predicted_tokens_per_s,
+    predicted_samples_per_s: all ranks' work over the sum of step times; step_time_mean_ms: the
+    mean step time (the slowest rank's); step_time_cv_temporal: CV over steps of the step time.
     """
     times_ms = np.asarray(times_ms, dtype=np.float64)
     if times_ms.ndim != 2 or times_ms.size == 0:
         raise ValueError(f"times_ms must be a non-empty (steps, world_size) array, got shape {times_ms.shape}")
-    mean, peak = times_ms.mean(axis=1), times_ms.max(axis=1)
-    wall_s = peak.sum() / 1e3
     return {
         "steps": int(times_ms.shape[0]),
         "world_size": int(times_ms.shape[1]),
-        "load_cv_mean": float((times_ms.std(axis=1) / mean).mean()),
-        "load_max_over_mean_mean": float((peak / mean).mean()),
-        "bubble_frac": float(1.0 - mean.sum() / peak.sum()),
-        "predicted_tokens_per_s": float(np.sum(tokens) / wall_s),
-        "predicted_samples_per_s": float(np.sum(samples) / wall_s),
-        "step_time_mean_ms": float(peak.mean()),
-        "step_time_cv": float(peak.std() / peak.mean()),
+        "load_cv_mean": metrics.mean_over_steps(metrics.cv_across_ranks(times_ms)),
+        "load_max_over_mean_mean": metrics.mean_over_steps(metrics.max_over_mean(times_ms)),
+        "bubble_frac": metrics.bubble_fraction(times_ms),
+        "predicted_tokens_per_s": metrics.predicted_throughput(tokens, times_ms),
+        "predicted_samples_per_s": metrics.predicted_throughput(samples, times_ms),
+        "step_time_mean_ms": metrics.mean_over_steps(metrics.step_time(times_ms)),
+        "step_time_cv_temporal": metrics.step_time_cv_temporal(times_ms),
     }
 
 

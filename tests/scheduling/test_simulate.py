@@ -24,7 +24,7 @@ def test_step_metrics_hand_computed():
     assert m["predicted_tokens_per_s"] == pytest.approx(80 / 0.005)
     assert m["predicted_samples_per_s"] == pytest.approx(10 / 0.005)
     assert m["step_time_mean_ms"] == pytest.approx(2.5)
-    assert m["step_time_cv"] == pytest.approx(0.5 / 2.5)
+    assert m["step_time_cv_temporal"] == pytest.approx(0.5 / 2.5)  # step times 3 and 2: CV over steps
     assert m["steps"] == 2 and m["world_size"] == 2
 
 

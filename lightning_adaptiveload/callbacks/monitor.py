@@ -105,7 +105,10 @@ class LoadBalanceMonitor(Callback):
         self._busy_period = self.busy_every_n_logs * trainer.log_every_n_steps
         profiles = self._busy_period > 0 and trainer.estimated_stepping_batches >= self._busy_period
         self._profiler = StepProfiler(self._device.type) if profiles else None
+        t0 = time.perf_counter()
         self._open_profiler(trainer, warm_up=True)
+        self.busy_warm_up_ms = (time.perf_counter() - t0) * 1e3  # one-off, not in overhead_ms
+        self.busy_window_ms = 0.0  # opening, closing and reading the profiled steps' windows (in overhead_ms)
         self._profiled_step = -1
         self._compile = CompileCounter()
         self._warned_limit = False
@@ -169,7 +172,9 @@ class LoadBalanceMonitor(Callback):
             torch.cuda.synchronize(self._device)
         if self._profiler is not None and self._profile_this_step(trainer):
             self._profiled_step = trainer.global_step
+            t_open = time.perf_counter()
             self._open_profiler(trainer)
+            self.busy_window_ms += (time.perf_counter() - t_open) * 1e3
         self._start = time.perf_counter()
         self.overhead_ms += (self._start - t0) * 1e3
 
@@ -180,6 +185,7 @@ class LoadBalanceMonitor(Callback):
         busy_ms = comm_ms = math.nan
         if self._profiler is not None and self._profiler.active:
             busy_ms, comm_ms = self._profiler.stop()
+            self.busy_window_ms += (time.perf_counter() - end) * 1e3
         counts = self._compile.read()
         since = self._last_end if self._last_end is not None else self._start
         self._rows.append(self._pending + ((end - self._start) * 1e3, (end - since) * 1e3, busy_ms, comm_ms)
@@ -203,6 +209,9 @@ class LoadBalanceMonitor(Callback):
         self.overhead_ms += (time.perf_counter() - t0) * 1e3
         self._log_data_counters(trainer)
         self.summary = self.tracker.summary(self.overhead_ms / max(self.steps_seen, 1))
+        if "busy_steps" in self.summary:  # this rank's profiler cost: one-off warm-up, per window
+            self.summary.update(busy_warm_up_ms=self.busy_warm_up_ms,
+                                busy_window_ms_per_step=self.busy_window_ms / self.summary["busy_steps"])
         if trainer.is_global_zero and self.verbose and self.summary:
             print(self.tracker.format_summary(self.summary))
 

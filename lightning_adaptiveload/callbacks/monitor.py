@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_adaptiveload.monitoring import per_rank_log
 from lightning_adaptiveload.monitoring.balance import BalanceTracker
@@ -28,7 +29,7 @@ from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, FIELDS
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 
 PROXY_LOAD_UNIT = "tokens^2 (proxy B*S^2: no cost model)"
-DEFAULT_BUSY_EVERY_N_LOGS = 4  # at log_every_n_steps=50: one profiled step in 200 (benchmarks/monitor_overhead.py)
+DEFAULT_BUSY_EVERY_N_LOGS = 8  # at log_every_n_steps=50: one profiled step in 400 (benchmarks/monitor_overhead.py)
 
 
 def batch_samples_and_seq_len(batch) -> tuple[int, int, int]:
@@ -103,7 +104,7 @@ class LoadBalanceMonitor(Callback):
         self.tracker = BalanceTracker(trainer.world_size, self.window, self.load_unit)
         # No window if the fit ends before the first profiled step (short runs skip the warm-up).
         self._busy_period = self.busy_every_n_logs * trainer.log_every_n_steps
-        profiles = self._busy_period > 0 and trainer.estimated_stepping_batches >= self._busy_period
+        profiles = self._busy_period > 0 and _steps_planned(trainer) >= self._busy_period
         self._profiler = StepProfiler(self._device.type) if profiles else None
         t0 = time.perf_counter()
         self._open_profiler(trainer, warm_up=True)
@@ -202,7 +203,16 @@ class LoadBalanceMonitor(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._log_data_counters(trainer)
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close_profiler()
+
+    def _close_profiler(self) -> None:
+        """Close a window left open by a step that never reached on_train_batch_end."""
+        if getattr(self, "_profiler", None) is not None and self._profiler.active:
+            self._profiler.stop()
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_profiler()
         t0 = time.perf_counter()
         if self._rows:  # same count on every rank (equal batches per rank)
             self._flush(trainer)
@@ -270,6 +280,16 @@ class LoadBalanceMonitor(Callback):
             logged["data/skipped"] = float(sum(skipped))
         for logger in trainer.loggers:
             logger.log_metrics(logged, step=max(trainer.global_step - 1, 0))
+
+
+def _steps_planned(trainer: Trainer) -> float:
+    """Optimizer steps this fit will take; inf where Lightning cannot tell (an iterable dataset
+    without max_steps gives -1, changing gradient accumulation raises)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except MisconfigurationException:
+        return math.inf
+    return steps if steps >= 0 else math.inf
 
 
 def _recompile_limit() -> str:

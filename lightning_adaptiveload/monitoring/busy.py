@@ -48,7 +48,7 @@ def busy_and_comm_ms(op_times: Iterable[tuple[str, float]]) -> tuple[float, floa
     return busy_us / 1e3, comm_us / 1e3
 
 
-def kineto_op_times(events, device: str) -> list[tuple[str, float]]:
+def kineto_op_times(events: Iterable, device: str) -> list[tuple[str, float]]:
     """(name, microseconds) of what a step ran, from the profiler's raw kineto events
     (`profile.profiler.kineto_results.events()`; building torch's FunctionEvent tree from them
     costs ~50 us per event, this ~2): on "cuda" every device kernel, memcpy and memset (not
@@ -75,7 +75,7 @@ def kineto_op_times(events, device: str) -> list[tuple[str, float]]:
             for (_, start, neg_end, name, annotation), nested in zip(host, nested_ns) if not annotation]
 
 
-def function_event_op_times(events, device: str) -> list[tuple[str, float]]:
+def function_event_op_times(events: Iterable, device: str) -> list[tuple[str, float]]:
     """kineto_op_times from torch's public FunctionEvents (`profile.events()`), for a torch
     release without `kineto_results`: slower, the same numbers."""
     if device == "cuda":
@@ -111,7 +111,7 @@ class StepProfiler:
 
     def warm_up(self) -> None:
         """Open and close an empty window: the first window of a process initialises the profiler
-        backend (seconds on some machines), which must not land in a timed training step."""
+        backend, far slower than later windows, and that must not land in a timed training step."""
         self.start()
         self.stop()
 

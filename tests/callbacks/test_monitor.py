@@ -427,3 +427,16 @@ def test_compile_counters_and_the_recompile_limit(tmp_path):
     with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="recompile limit on rank"):
         _fit(tmp_path / "limit", LoadBalanceMonitor(verbose=False), TinyData(), model=CompiledModel())
     torch._dynamo.reset()
+
+
+def test_a_step_that_raises_leaves_no_profiler_running(tmp_path):
+    class Failing(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(tmp_path, LoadBalanceMonitor(verbose=False, busy_every_n_logs=1), TinyData(), log_every=1,
+             model=Failing())
+    assert not torch._C._autograd._profiler_enabled()  # the window of step 2 was closed

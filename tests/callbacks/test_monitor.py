@@ -440,3 +440,23 @@ def test_a_step_that_raises_leaves_no_profiler_running(tmp_path):
         _fit(tmp_path, LoadBalanceMonitor(verbose=False, busy_every_n_logs=1), TinyData(), log_every=1,
              model=Failing())
     assert not torch._C._autograd._profiler_enabled()  # the window of step 2 was closed
+
+
+def test_steps_planned_treats_unknown_lengths_as_unbounded():
+    """An iterable dataset without max_steps makes Lightning estimate -1 steps; busy time must
+    stay on there (a fit shorter than one period is the only reason to skip the profiler)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_adaptiveload.callbacks.monitor import _steps_planned
+
+    class Raising:
+        @property
+        def estimated_stepping_batches(self):
+            raise MisconfigurationException("accumulation changes between epochs")
+
+    assert _steps_planned(SimpleNamespace(estimated_stepping_batches=-1)) == float("inf")
+    assert _steps_planned(SimpleNamespace(estimated_stepping_batches=float("inf"))) == float("inf")
+    assert _steps_planned(SimpleNamespace(estimated_stepping_batches=120)) == 120
+    assert _steps_planned(Raising()) == float("inf")

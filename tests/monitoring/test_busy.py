@@ -119,3 +119,31 @@ def test_step_profiler_window(one_process_group):
     assert busy_ms > 0 and comm_ms > 0 and not profiler.active
     with pytest.raises(RuntimeError, match="without start"):
         profiler.stop()
+
+
+@pytest.mark.cuda
+def test_step_profiler_window_on_cuda_counts_kernels(tmp_path):
+    """Kernels are busy time, an NCCL all_reduce (process group of size 1) is communication; the
+    numbers agree with torch's own FunctionEvents of the same kind of window."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.randn(2048, 2048, device="cuda")
+        dist.all_reduce(x)  # NCCL's first call sets up communicators: keep it out of the window
+        profiler = StepProfiler("cuda")
+        profiler.warm_up()
+        profiler.start()
+        y = x @ x
+        dist.all_reduce(y)
+        torch.cuda.synchronize()
+        busy_ms, comm_ms = profiler.stop()
+        assert busy_ms > 0 and comm_ms > 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = x @ x
+            dist.all_reduce(y)
+            torch.cuda.synchronize()
+        raw = busy_and_comm_ms(kineto_op_times(prof.profiler.kineto_results.events(), "cuda"))
+        reference = busy_and_comm_ms(function_event_op_times(prof.events(), "cuda"))
+        assert raw == pytest.approx(reference, rel=1e-6)
+    finally:
+        dist.destroy_process_group()

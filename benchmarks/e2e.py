@@ -43,11 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from 
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
-from lightning_adaptiveload.callbacks.monitor import (  # noqa: E402
-    CSV_NAME, cross_rank_stats, temporal_cv, time_beyond_prediction_ms)
-from lightning_adaptiveload.cli.report import read_per_rank_csv  # noqa: E402
-from lightning_adaptiveload.scheduling.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
+from lightning_adaptiveload.scheduling import metrics  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import CostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
 from lightning_adaptiveload.scheduling.simulate import simulate  # noqa: E402
 
@@ -191,17 +190,17 @@ def run(args: argparse.Namespace) -> None:
 
 def summarize_run(res: dict) -> dict:
     """One configuration's numbers from its result JSON and the monitor's per-rank CSV: totals over
-    every train batch; balance metrics (docs/monitoring.md definitions, per batch then averaged)
-    over the batches after the first WARMUP_STEPS."""
+    every train batch; balance metrics (scheduling/metrics.py, as docs/monitoring.md defines them:
+    per-batch CVs and max/mean averaged over batches, the bubble time-weighted) over the batches
+    after the first WARMUP_STEPS."""
     cols = read_per_rank_csv(Path(res["log_dir"]) / CSV_NAME)  # each (batches, world)
     batches = cols["load"].shape[0]
     if batches <= WARMUP_STEPS:
         raise SystemExit(f"e2e report: {res['config']} trained {batches} batches, not more than the "
                          f"{WARMUP_STEPS} warm-up batches; run with more --samples")
     keep = slice(WARMUP_STEPS, None)
-    load = cross_rank_stats(cols["load"][keep].T)
-    step_time = cross_rank_stats(cols["step_time_ms"][keep].T)
-    slowest_s = cols["step_time_ms"][keep].max(axis=1) / 1e3  # a step lasts as long as its slowest rank
+    load, step_ms, busy = cols["load"][keep], cols["step_time_ms"][keep], metrics.finite_steps(cols["busy_ms"][keep])
+    slowest_s = metrics.step_time(step_ms) / 1e3
     tokens, samples = float(cols["tokens"].sum()), float(cols["samples"].sum())
     return {
         "config": res["config"],
@@ -211,18 +210,23 @@ def summarize_run(res: dict) -> dict:
         "tokens_per_s_epoch": tokens / res["epoch_wall_s"],
         "samples_per_s_epoch": samples / res["epoch_wall_s"],
         "tokens_per_s_step_median": float(np.median(cols["tokens"][keep].sum(axis=1) / slowest_s)),
-        "load_cv": float(load["cv"].mean()),
-        "load_max_over_mean": float(load["max_over_mean"].mean()),
-        "bubble_frac": float(load["bubble"].mean()),
-        "step_time_cv_ranks": float(step_time["cv"].mean()),
-        "step_time_cv_temporal": temporal_cv(cols["step_time_ms"][keep].mean(axis=1)),
+        "load_cv": metrics.mean_over_steps(metrics.cv_across_ranks(load)),
+        "load_max_over_mean": metrics.mean_over_steps(metrics.max_over_mean(load)),
+        "bubble_frac": metrics.bubble_fraction(load),
+        "step_time_cv_ranks": metrics.mean_over_steps(metrics.cv_across_ranks(step_ms)),
+        "step_time_cv_temporal": metrics.step_time_cv_temporal(step_ms),
+        # Busy time of the profiled batches (NaN when none was profiled): docs/monitoring.md.
+        "busy_cv": metrics.mean_over_steps(metrics.cv_across_ranks(busy)) if len(busy) else float("nan"),
+        "busy_max_over_mean": metrics.mean_over_steps(metrics.max_over_mean(busy)) if len(busy) else float("nan"),
+        "busy_steps": int(len(busy)),
         "peak_mem_gib_max": max(res["peak_mem_gib_per_rank"]),
         "longest_seq_trained": int(cols["seq_len"].max()),
         # The calibrated model's time for these exact batches (a step lasts as long as its slowest
         # rank) against the measured step times: what per-step costs the model leaves out.
-        "predicted_step_sum_s": float(cols["load"].max(axis=1).sum() / 1e3),
-        "measured_step_sum_s": float(cols["step_time_ms"].mean(axis=1).sum() / 1e3),
-        "unpredicted_ms_per_step": float(time_beyond_prediction_ms(cols["load"].T, cols["step_time_ms"].T).mean()),
+        "predicted_step_sum_s": float(metrics.step_time(cols["load"]).sum() / 1e3),
+        "measured_step_sum_s": float(metrics.rank_mean(cols["step_time_ms"]).sum() / 1e3),
+        "unpredicted_ms_per_step": metrics.mean_over_steps(
+            metrics.time_beyond_prediction_ms(cols["load"], cols["step_time_ms"])),
         "unpredicted_by_seq_len": unpredicted_by_seq_len(cols),
         # Outside the step (data loading, host work between batches): the slowest rank's, per batch.
         "between_steps_ms": float((cols["interval_ms"][keep] - cols["step_time_ms"][keep]).max(axis=1).mean()),
@@ -238,8 +242,8 @@ def unpredicted_by_seq_len(cols: dict[str, np.ndarray], edges: tuple[int, ...] =
     band with steps: their count, samples per rank, ms per step beyond the model, that as a
     fraction of the predicted step (the slowest rank's load), and how differently the ranks'
     batches were shaped ((max - min) / max of seq_len over the ranks)."""
-    beyond = time_beyond_prediction_ms(cols["load"].T, cols["step_time_ms"].T)
-    predicted = cols["load"].max(axis=1)
+    beyond = metrics.time_beyond_prediction_ms(cols["load"], cols["step_time_ms"])
+    predicted = metrics.step_time(cols["load"])
     seq = cols["seq_len"].astype(np.float64)
     spread = (seq.max(axis=1) - seq.min(axis=1)) / seq.max(axis=1)
     band = np.searchsorted(np.asarray(edges), seq.mean(axis=1), side="right")
@@ -291,7 +295,8 @@ def report(args: argparse.Namespace) -> None:
         r["throughput_vs_token_equal"] = r["tokens_per_s_epoch"] / base["tokens_per_s_epoch"]
     cols = ["config", "epoch_wall_s", "samples_consumed", "tokens_consumed", "tokens_per_s_epoch",
             "tokens_per_s_step_median", "load_cv", "load_max_over_mean", "step_time_cv_ranks", "step_time_cv_temporal",
-            "bubble_frac", "peak_mem_gib_max", "longest_seq_trained", "throughput_vs_token_equal"]
+            "bubble_frac", "busy_cv", "busy_max_over_mean", "peak_mem_gib_max", "longest_seq_trained",
+            "throughput_vs_token_equal"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
@@ -368,7 +373,7 @@ def plot(runs: dict, rows: list[dict], grid: np.ndarray, window: int, path: Path
     axes[0].set_ylabel("tokens/s over the epoch (all ranks)")
     for name, res in runs.items():
         load = read_per_rank_csv(Path(res["log_dir"]) / CSV_NAME)["load"]
-        axes[1].plot(cross_rank_stats(load.T)["cv"], label=name)
+        axes[1].plot(metrics.cv_across_ranks(load), label=name)
         axes[2].plot(grid, smoothed_loss_vs_samples(res, grid, window), label=name)
     axes[1].set_xlabel("train batch")
     axes[1].set_ylabel("predicted-load CV across ranks")

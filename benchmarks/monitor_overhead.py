@@ -1,11 +1,17 @@
-"""Overhead of LoadBalanceMonitor: time inside its hooks vs the training step time.
+"""Overhead of LoadBalanceMonitor: time inside its hooks, and of its busy-time profiler windows,
+vs the training step time.
 
 Trains the example video DiT (tiny config) on mixed-shape random batches with 1 process and with
-2-process DDP (gloo), each run in a fresh subprocess, in three setups: no monitor, monitor with
-log_every_n_steps=50 (the default: one all_gather per 50 steps), and log_every_n_steps=1 (worst
-case: a gather, CSV append and logger call every step). Reports the monitor's self-timed hook
-overhead per step (perf_counter around its hooks, including gathers and file writes) as a fraction
-of the mean step time, and, as a cross-check, training wall time per step with vs without it.
+2-process DDP (gloo), each run in a fresh subprocess, in these setups: no monitor; the monitor at
+log_every_n_steps=50 with busy time off and at its default sampling (one profiled step every
+busy_every_n_logs=DEFAULT_BUSY_EVERY_N_LOGS logs); log_every_n_steps=1 (worst case: a gather, CSV
+append and logger call every step); and a profiled step every 5th step, to measure what one
+profiled step costs. Reports the monitor's self-timed hook overhead per step (perf_counter around
+its hooks, including gathers, file writes and opening/closing/reading profiler windows) as a
+fraction of the mean step time, and for the profiled steps: the window's host time per profiled
+step and how much longer a profiled step runs than unprofiled steps of the same shape (the
+profiler records every op). Their sum over the default period of steps is the default sampling's
+busy-time overhead. As a cross-check: training wall time per step with vs without the monitor.
 
     python benchmarks/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
     python benchmarks/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
@@ -35,6 +41,8 @@ sys.path.insert(0, str(REPO))  # for examples/
 
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor  # noqa: E402
+from lightning_adaptiveload.callbacks.monitor import DEFAULT_BUSY_EVERY_N_LOGS  # noqa: E402
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 # Per preset: model size, precision, accelerator and the (B, T, H, W) latent shapes (16 channels)
@@ -49,7 +57,14 @@ PRESETS = {
                         (4, 1, 64, 128)]},
 }
 WARMUP_STEPS = 5
-SETUPS = (("no monitor", None), ("monitor, log every 50", 50), ("monitor, log every 1", 1))
+# name -> (log_every_n_steps, busy_every_n_logs); log_every None: no monitor.
+SETUPS = {
+    "no monitor": (None, None),
+    "log every 50, busy off": (50, 0),
+    "log every 50, busy default": (50, DEFAULT_BUSY_EVERY_N_LOGS),
+    "log every 1, busy off": (1, 0),
+    "log every 5, busy every log": (5, 1),
+}
 
 
 def _batches(n: int, shapes: list[tuple], text_dim: int) -> list[dict]:
@@ -77,6 +92,22 @@ class TrainClock(pl.Callback):
         self.steps = trainer.global_step - WARMUP_STEPS
 
 
+def profiled_step_inflation_ms(log_dir: str) -> float:
+    """Mean over profiled rows (every rank, after WARMUP_STEPS) of the step time minus the median
+    step time of the unprofiled rows of the same rank and batch shape: the time a profiler window
+    adds inside the timed step. NaN without profiled rows."""
+    cols = read_per_rank_csv(Path(log_dir) / CSV_NAME)
+    keep = cols["step"][:, 0] >= WARMUP_STEPS
+    step_ms, profiled = cols["step_time_ms"][keep], np.isfinite(cols["busy_ms"][keep])
+    shape = cols["samples"][keep] * 1e9 + cols["seq_len"][keep]
+    extra = []
+    for r in range(step_ms.shape[1]):
+        for i in np.flatnonzero(profiled[:, r]):
+            same = (shape[:, r] == shape[i, r]) & ~profiled[:, r]
+            extra.append(step_ms[i, r] - np.median(step_ms[same, r]))
+    return float(np.mean(extra)) if extra else float("nan")
+
+
 def worker(args) -> None:
     preset = PRESETS[args.preset]
     torch.manual_seed(0)
@@ -87,7 +118,7 @@ def worker(args) -> None:
     callbacks = [clock]
     monitor = None
     if args.log_every:
-        monitor = LoadBalanceMonitor(verbose=False)
+        monitor = LoadBalanceMonitor(verbose=False, busy_every_n_logs=args.busy_every)
         callbacks.append(monitor)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(accelerator=preset["accelerator"], devices=args.devices, precision=preset["precision"],
@@ -97,21 +128,25 @@ def worker(args) -> None:
         loader = DataLoader(_batches(args.steps * args.devices, preset["shapes"], preset["model"]["text_dim"]),
                             batch_size=None, shuffle=False)
         trainer.fit(model, train_dataloaders=loader)
-    if trainer.is_global_zero:
-        result = {"train_wall_ms_per_step": 1e3 * clock.wall_s / clock.steps, "timed_steps": clock.steps}
-        if monitor is not None:
-            result.update({k: monitor.summary[k] for k in
-                           ("step_time_ms_mean", "monitor_overhead_ms_per_step", "monitor_overhead_frac", "steps")})
-        Path(args.result).write_text(json.dumps(result))
+        if trainer.is_global_zero:
+            result = {"train_wall_ms_per_step": 1e3 * clock.wall_s / clock.steps, "timed_steps": clock.steps}
+            if monitor is not None:
+                result.update({k: monitor.summary[k] for k in
+                               ("step_time_ms_mean", "monitor_overhead_ms_per_step", "monitor_overhead_frac", "steps")})
+                result["busy_steps"] = monitor.summary.get("busy_steps", 0)
+                if result["busy_steps"]:
+                    result.update({k: monitor.summary[k] for k in ("busy_warm_up_ms", "busy_window_ms_per_step")})
+                    result["profiled_step_inflation_ms"] = profiled_step_inflation_ms(monitor.log_dir)
+            Path(args.result).write_text(json.dumps(result))
 
 
-def run_setup(devices: int, log_every: int | None, steps: int, preset: str) -> dict:
+def run_setup(devices: int, log_every: int | None, busy_every: int | None, steps: int, preset: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", "--devices", str(devices), "--steps", str(steps),
                "--preset", preset, "--result", str(result_path)]
         if log_every:
-            cmd += ["--log-every", str(log_every)]
+            cmd += ["--log-every", str(log_every), "--busy-every", str(busy_every)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"worker failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -120,7 +155,9 @@ def run_setup(devices: int, log_every: int | None, steps: int, preset: str) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="train steps per run")
+    parser.add_argument("--steps", type=int, default=400,
+                        help="train steps per run (the default sampling profiles one step in "
+                             f"{50 * DEFAULT_BUSY_EVERY_N_LOGS})")
     parser.add_argument("--repeats", type=int, default=2, help="runs per setup (setups interleaved)")
     parser.add_argument("--devices-list", default="1,2", help="process counts to run, comma separated")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="model size, precision, device")
@@ -129,6 +166,7 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--log-every", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--busy-every", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -138,35 +176,54 @@ def main() -> int:
     from tqdm import tqdm
 
     devices_list = [int(d) for d in args.devices_list.split(",")]
-    runs = [(d, name, every, rep) for rep in range(args.repeats) for d in devices_list for name, every in SETUPS]
+    runs = [(d, name, rep) for rep in range(args.repeats) for d in devices_list for name in SETUPS]
     rows: dict[tuple[int, str], list[dict]] = {}
-    for devices, name, every, _ in tqdm(runs, desc="training runs"):
-        rows.setdefault((devices, name), []).append(run_setup(devices, every, args.steps, args.preset))
+    for devices, name, _ in tqdm(runs, desc="training runs"):
+        rows.setdefault((devices, name), []).append(run_setup(devices, *SETUPS[name], args.steps, args.preset))
+
+    def median(rs: list[dict], key: str) -> float:
+        return float(np.median([r[key] for r in rs]))
 
     table = []
     for devices in devices_list:
-        base = float(np.median([r["train_wall_ms_per_step"] for r in rows[(devices, "no monitor")]]))
-        for name, every in SETUPS:
+        base = median(rows[(devices, "no monitor")], "train_wall_ms_per_step")
+        for name, (every, busy_every) in SETUPS.items():
             rs = rows[(devices, name)]
-            wall = float(np.median([r["train_wall_ms_per_step"] for r in rs]))
-            entry = {"processes": devices, "setup": name, "log_every_n_steps": every,
+            wall = median(rs, "train_wall_ms_per_step")
+            entry = {"processes": devices, "setup": name, "log_every_n_steps": every, "busy_every_n_logs": busy_every,
                      "train_wall_ms_per_step": wall, "wall_vs_no_monitor": wall / base - 1.0, "runs": rs}
             if every:
-                entry["step_time_ms_mean"] = float(np.median([r["step_time_ms_mean"] for r in rs]))
-                entry["hook_overhead_ms_per_step"] = float(np.median([r["monitor_overhead_ms_per_step"] for r in rs]))
-                entry["hook_overhead_frac"] = float(np.median([r["monitor_overhead_frac"] for r in rs]))
+                for key in ("step_time_ms_mean", "monitor_overhead_ms_per_step", "monitor_overhead_frac", "busy_steps"):
+                    entry[key] = median(rs, key)
+            if every and busy_every and all(r["busy_steps"] for r in rs):
+                for key in ("busy_warm_up_ms", "busy_window_ms_per_step", "profiled_step_inflation_ms"):
+                    entry[key] = median(rs, key)
             table.append(entry)
+        # What one profiled step costs (window host time + longer step), measured where many steps
+        # are profiled, spread over the default sampling's period of steps.
+        probe = next(e for e in table if e["processes"] == devices and e["setup"] == "log every 5, busy every log")
+        cost_ms = probe["busy_window_ms_per_step"] + probe["profiled_step_inflation_ms"]
+        period = 50 * DEFAULT_BUSY_EVERY_N_LOGS
+        probe["cost_ms_per_profiled_step"] = cost_ms
+        probe["default_sampling_overhead_frac"] = cost_ms / (period * probe["step_time_ms_mean"])
 
-    print(f"\n{'procs':>5} {'setup':<24} {'wall ms/step':>12} {'vs none':>8} {'step ms':>9} "
-          f"{'hooks ms/step':>13} {'hooks/step':>10}")
+    print(f"\n{'procs':>5} {'setup':<28} {'wall ms/step':>12} {'vs none':>8} {'step ms':>9} "
+          f"{'hooks ms/step':>13} {'hooks/step':>10} {'profiled':>8} {'window ms':>9} {'in-step ms':>10}")
     for e in table:
         if e["log_every_n_steps"]:
-            hooks = (f"{e['step_time_ms_mean']:>9.2f} {e['hook_overhead_ms_per_step']:>13.3f} "
-                     f"{100 * e['hook_overhead_frac']:>9.2f}%")
+            hooks = (f"{e['step_time_ms_mean']:>9.2f} {e['monitor_overhead_ms_per_step']:>13.3f} "
+                     f"{100 * e['monitor_overhead_frac']:>9.2f}% {e['busy_steps']:>8.0f}")
         else:
-            hooks = f"{'-':>9} {'-':>13} {'-':>10}"
-        print(f"{e['processes']:>5} {e['setup']:<24} {e['train_wall_ms_per_step']:>12.2f} "
-              f"{100 * e['wall_vs_no_monitor']:>7.1f}% {hooks}")
+            hooks = f"{'-':>9} {'-':>13} {'-':>10} {'-':>8}"
+        busy = (f" {e['busy_window_ms_per_step']:>9.1f} {e['profiled_step_inflation_ms']:>10.1f}"
+                if "busy_window_ms_per_step" in e else "")
+        print(f"{e['processes']:>5} {e['setup']:<28} {e['train_wall_ms_per_step']:>12.2f} "
+              f"{100 * e['wall_vs_no_monitor']:>7.1f}% {hooks}{busy}")
+    for e in table:
+        if "default_sampling_overhead_frac" in e:
+            print(f"{e['processes']} process(es): one profiled step costs {e['cost_ms_per_profiled_step']:.1f} ms; "
+                  f"at the default sampling (1 step in {50 * DEFAULT_BUSY_EVERY_N_LOGS}) "
+                  f"{100 * e['default_sampling_overhead_frac']:.2f}% of training time")
 
     preset = PRESETS[args.preset]
     device = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if preset["accelerator"] == "gpu"
@@ -180,7 +237,7 @@ def main() -> int:
                      "lightning": lightning.__version__, "numpy": np.__version__},
         "preset": args.preset, "model": {"class": "examples VideoDiTModule", **preset["model"]},
         "precision": preset["precision"], "shapes_BTHW": preset["shapes"], "steps": args.steps,
-        "warmup_steps_excluded_from_wall": WARMUP_STEPS,
+        "warmup_steps_excluded_from_wall": WARMUP_STEPS, "default_busy_every_n_logs": DEFAULT_BUSY_EVERY_N_LOGS,
         "repeats": args.repeats, "table": table,
     }
     out = Path(args.out)

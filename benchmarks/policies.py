@@ -81,7 +81,7 @@ def main() -> None:
             r["throughput_vs_token_equal"] = gain
             r["load_cv_vs_token_equal"] = r["load_cv_mean"] / base["load_cv_mean"]
             print(f"{world:>5} {name:<28} {100 * r['load_cv_mean']:>7.2f}% {r['load_max_over_mean_mean']:>8.3f} "
-                  f"{100 * r['bubble_frac']:>6.2f}% {100 * r['step_time_cv']:>6.1f}% "
+                  f"{100 * r['bubble_frac']:>6.2f}% {100 * r['step_time_cv_temporal']:>6.1f}% "
                   f"{r['predicted_tokens_per_s']:>11.0f} {gain:>8.3f}x")
         bal, dual = by["balanced"], by["dual_constraint"]
         for name, r in by.items():

@@ -1,33 +1,35 @@
-"""LoadBalanceMonitor: per-rank load and step time, gathered and logged as imbalance metrics.
+"""LoadBalanceMonitor: the Lightning hooks of the load-balance monitor.
 
-Every train batch each rank records its samples, tokens, bucket seq_len, predicted compute
-load and step time. At each logged step (every `trainer.log_every_n_steps` optimizer steps) the
-rows buffered since the last log go through one all_gather (a float64 tensor of shape
-(steps, len(FIELDS)) per rank), rank 0 appends them to `balance_per_rank.csv` in the log dir
-and logs the metrics below through the Trainer's loggers. docs/monitoring.md defines each one.
+Every train batch each rank records its samples, tokens, bucket seq_len, predicted compute load
+and step time (and, on sampled steps, its busy and communication time from a profiler window).
+At each logged step (every `trainer.log_every_n_steps` optimizer steps) the rows buffered since
+the last log go through one all_gather (a float64 tensor of shape (steps, len(FIELDS)) per rank);
+rank 0 appends them to `balance_per_rank.csv` in the log dir (monitoring/per_rank_log.py) and logs
+the metrics of monitoring/balance.py's BalanceTracker through the Trainer's loggers.
+docs/monitoring.md defines each one.
 """
 from __future__ import annotations
 
-import collections
-import csv
-import json
+import math
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_adaptiveload.monitoring import per_rank_log
+from lightning_adaptiveload.monitoring.balance import BalanceTracker
+from lightning_adaptiveload.monitoring.busy import StepProfiler
+from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_NAMES, CompileCounter
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, FIELDS
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 
-# One row per train batch and rank; the gathered tensor's last axis follows this order.
-FIELDS = ("epoch", "step", "batch_idx", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms")
-CSV_NAME = "balance_per_rank.csv"
-CSV_HEADER = ("epoch", "step", "batch_idx", "rank") + FIELDS[3:]
-META_NAME = "balance_meta.json"
 PROXY_LOAD_UNIT = "tokens^2 (proxy B*S^2: no cost model)"
-_COL = {name: i for i, name in enumerate(FIELDS)}
+DEFAULT_BUSY_EVERY_N_LOGS = 8  # at log_every_n_steps=50: one profiled step in 400 (benchmarks/monitor_overhead.py)
 
 
 def batch_samples_and_seq_len(batch) -> tuple[int, int, int]:
@@ -54,33 +56,15 @@ def batch_samples_and_seq_len(batch) -> tuple[int, int, int]:
     return samples, int(sum(per_sample)), int(max(per_sample))
 
 
-def cross_rank_stats(values: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-step statistics over ranks of `values (world, steps)`: cv (population std / mean),
-    max_over_mean and bubble (1 - mean / max); each (steps,); 0 where the mean is 0."""
-    mean = values.mean(axis=0)
-    peak = values.max(axis=0)
-    safe_mean = np.where(mean > 0, mean, 1.0)
-    safe_peak = np.where(peak > 0, peak, 1.0)
-    return {
-        "cv": np.where(mean > 0, values.std(axis=0) / safe_mean, 0.0),
-        "max_over_mean": np.where(mean > 0, peak / safe_mean, 0.0),
-        "bubble": np.where(peak > 0, 1.0 - mean / safe_peak, 0.0),
-    }
-
-
-def time_beyond_prediction_ms(load_ms: np.ndarray, step_time_ms: np.ndarray) -> np.ndarray:
-    """Per step (steps,): the ranks' mean measured step time minus the predicted load of the
-    slowest rank, from `load_ms` and `step_time_ms` of shape (world, steps): what the cost model
-    leaves out (optimizer step, waits between ranks inside the step, model error)."""
-    return step_time_ms.mean(axis=0) - load_ms.max(axis=0)
-
-
-def temporal_cv(step_times_ms) -> float:
-    """Population std / mean of a sequence of step times; 0 for fewer than 2 values."""
-    values = np.asarray(step_times_ms, dtype=np.float64)
-    if values.size < 2 or values.mean() <= 0:
-        return 0.0
-    return float(values.std() / values.mean())
+def gathered_rows(gathered: torch.Tensor, local_shape: torch.Size, world_size: int) -> np.ndarray:
+    """`strategy.all_gather` of a (k, F) tensor as a (k, world_size, F) numpy array. Strategies
+    differ in what they return: without a process group the local (k, F) itself, with one (also of
+    size 1, e.g. FSDP or DDP on one device) (world, k, F); any of these reshapes to (world, k, F)."""
+    rows = gathered.reshape(-1, *local_shape)
+    if rows.shape[0] != world_size:
+        raise RuntimeError(f"LoadBalanceMonitor: all_gather of a {tuple(local_shape)} tensor returned shape "
+                           f"{tuple(gathered.shape)}, not {world_size} ranks' rows (trainer.world_size)")
+    return rows.cpu().numpy().transpose(1, 0, 2)
 
 
 class LoadBalanceMonitor(Callback):
@@ -91,16 +75,22 @@ class LoadBalanceMonitor(Callback):
     window: steps in the rolling window of `balance/step_time_cv_temporal`.
     sync_cuda: call torch.cuda.synchronize around each step on GPU so the wall time covers the
     step's kernels (it stops the host from running ahead of the GPU at the step boundary).
+    busy_every_n_logs: profile one training step on every rank (the last step before every Nth
+    logged step) for per-rank busy and communication time (`balance/busy_cv`, ...); 0 turns it
+    off. The default keeps the cost under 1% of training time (docs/monitoring.md).
     verbose: print the load unit at the start and the summary table at the end (rank 0).
     """
 
     def __init__(self, cost_model: CostModel | None = None, window: int = 50, sync_cuda: bool = True,
-                 verbose: bool = True):
+                 busy_every_n_logs: int = DEFAULT_BUSY_EVERY_N_LOGS, verbose: bool = True):
         if int(window) < 2:
             raise ValueError(f"LoadBalanceMonitor window must be >= 2 steps, got {window}")
+        if int(busy_every_n_logs) < 0:
+            raise ValueError(f"LoadBalanceMonitor busy_every_n_logs must be >= 0 (0: off), got {busy_every_n_logs}")
         self.cost_model = cost_model
         self.window = int(window)
         self.sync_cuda = sync_cuda
+        self.busy_every_n_logs = int(busy_every_n_logs)
         self.verbose = verbose
         self.summary: dict = {}
 
@@ -111,10 +101,19 @@ class LoadBalanceMonitor(Callback):
         self.load_unit = "ms (cost model)" if self._active_cost_model is not None else PROXY_LOAD_UNIT
         self._device = trainer.strategy.root_device
         self._sync = self.sync_cuda and self._device.type == "cuda"
+        self.tracker = BalanceTracker(trainer.world_size, self.window, self.load_unit)
+        # No window if the fit ends before the first profiled step (short runs skip the warm-up).
+        self._busy_period = self.busy_every_n_logs * trainer.log_every_n_steps
+        profiles = self._busy_period > 0 and _steps_planned(trainer) >= self._busy_period
+        self._profiler = StepProfiler(self._device.type) if profiles else None
+        t0 = time.perf_counter()
+        self._open_profiler(trainer, warm_up=True)
+        self.busy_warm_up_ms = (time.perf_counter() - t0) * 1e3  # one-off, not in overhead_ms
+        self.busy_window_ms = 0.0  # opening, closing and reading the profiled steps' windows (in overhead_ms)
+        self._profiled_step = -1
+        self._compile = CompileCounter()
+        self._warned_limit = False
         self._rows: list[tuple] = []
-        self._recent_step_ms: collections.deque = collections.deque(maxlen=self.window)
-        self._run: dict[str, list] = collections.defaultdict(list)  # per-interval arrays of per-step stats
-        self._rank_sums = np.zeros((trainer.world_size, len(FIELDS)))  # per-rank field sums over the fit
         self._last_end = None
         self._step_at_start = 0
         self.overhead_ms = 0.0  # time inside the per-batch hooks and the flushes (not one-off setup)
@@ -127,10 +126,10 @@ class LoadBalanceMonitor(Callback):
             if trainer.global_step == 0 and os.path.exists(self.csv_path):
                 os.remove(self.csv_path)  # a fresh fit; a resumed one appends
             elif os.path.exists(self.csv_path):
-                _drop_rows_from_step(self.csv_path, trainer.global_step)  # trained after the checkpoint
-            with open(os.path.join(self.log_dir, META_NAME), "w", encoding="utf-8") as f:
-                json.dump({"load_unit": self.load_unit, "world_size": trainer.world_size,
-                           "window": self.window, "fields": list(FIELDS)}, f, indent=1)
+                per_rank_log.drop_rows_from_step(self.csv_path, trainer.global_step)  # trained after the checkpoint
+            per_rank_log.write_meta(self.log_dir, load_unit=self.load_unit, world_size=trainer.world_size,
+                                    window=self.window, busy_every_n_logs=self.busy_every_n_logs,
+                                    log_every_n_steps=trainer.log_every_n_steps)
             if self.verbose:
                 rank_zero_info(f"LoadBalanceMonitor: load in {self.load_unit}; per-rank rows -> {self.csv_path}")
 
@@ -142,6 +141,25 @@ class LoadBalanceMonitor(Callback):
         self._last_end = time.perf_counter()
 
     # ---- per batch -----------------------------------------------------------------------
+    def _profile_this_step(self, trainer: Trainer) -> bool:
+        """The last step of every busy_every_n_logs-th log interval, once (its first micro-batch).
+        Decided from global_step alone, so every rank profiles the same step."""
+        step = trainer.global_step
+        return (step + 1) % self._busy_period == 0 and step != self._profiled_step
+
+    def _open_profiler(self, trainer: Trainer, warm_up: bool = False) -> None:
+        """Start the busy-time window (or, at train start, open and close one to initialise the
+        profiler). If torch refuses (e.g. another profiler is running) this rank's busy time stays
+        NaN for the rest of the fit; no collective is involved, so the other ranks go on."""
+        if self._profiler is None:
+            return
+        try:
+            self._profiler.warm_up() if warm_up else self._profiler.start()
+        except RuntimeError as e:
+            warnings.warn(f"LoadBalanceMonitor (rank {trainer.global_rank}): cannot open a profiler window for "
+                          f"busy time ({e}); busy time is off on this rank for this fit")
+            self._profiler = None
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         samples, tokens, seq_len = batch_samples_and_seq_len(batch)
@@ -153,6 +171,11 @@ class LoadBalanceMonitor(Callback):
         self._step_at_start = trainer.global_step
         if self._sync:
             torch.cuda.synchronize(self._device)
+        if self._profiler is not None and self._profile_this_step(trainer):
+            self._profiled_step = trainer.global_step
+            t_open = time.perf_counter()
+            self._open_profiler(trainer)
+            self.busy_window_ms += (time.perf_counter() - t_open) * 1e3
         self._start = time.perf_counter()
         self.overhead_ms += (self._start - t0) * 1e3
 
@@ -160,8 +183,14 @@ class LoadBalanceMonitor(Callback):
         if self._sync:
             torch.cuda.synchronize(self._device)
         end = time.perf_counter()
+        busy_ms = comm_ms = math.nan
+        if self._profiler is not None and self._profiler.active:
+            busy_ms, comm_ms = self._profiler.stop()
+            self.busy_window_ms += (time.perf_counter() - end) * 1e3
+        counts = self._compile.read()
         since = self._last_end if self._last_end is not None else self._start
-        self._rows.append(self._pending + ((end - self._start) * 1e3, (end - since) * 1e3))
+        self._rows.append(self._pending + ((end - self._start) * 1e3, (end - since) * 1e3, busy_ms, comm_ms)
+                          + tuple(math.nan if counts[name] is None else counts[name] for name in COMPILE_NAMES))
         self._last_end = end
         self.steps_seen += 1
         n = trainer.log_every_n_steps
@@ -171,145 +200,100 @@ class LoadBalanceMonitor(Callback):
             self._flush(trainer)
         self.overhead_ms += (time.perf_counter() - end) * 1e3
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._log_data_counters(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close_profiler()
+
+    def _close_profiler(self) -> None:
+        """Close a window left open by a step that never reached on_train_batch_end."""
+        if getattr(self, "_profiler", None) is not None and self._profiler.active:
+            self._profiler.stop()
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_profiler()
         t0 = time.perf_counter()
         if self._rows:  # same count on every rank (equal batches per rank)
             self._flush(trainer)
         self.overhead_ms += (time.perf_counter() - t0) * 1e3
-        self.summary = self._summarize(trainer.world_size)
+        self._log_data_counters(trainer)
+        self.summary = self.tracker.summary(self.overhead_ms / max(self.steps_seen, 1))
+        if "busy_steps" in self.summary:  # this rank's profiler cost: one-off warm-up, per window
+            self.summary.update(busy_warm_up_ms=self.busy_warm_up_ms,
+                                busy_window_ms_per_step=self.busy_window_ms / self.summary["busy_steps"])
         if trainer.is_global_zero and self.verbose and self.summary:
-            print(format_summary(self.summary, self._rank_sums / max(self.summary["steps"], 1)))
+            print(self.tracker.format_summary(self.summary))
 
     # ---- gather, log, write ---------------------------------------------------------------
     def _flush(self, trainer: Trainer) -> None:
         local = torch.tensor(self._rows, dtype=torch.float64, device=self._device)
         self._rows = []
-        gathered = trainer.strategy.all_gather(local)
-        if trainer.world_size == 1:
-            gathered = gathered.unsqueeze(0)
-        rows = gathered.cpu().numpy()  # (world, k, F)
-        self._rank_sums += rows.sum(axis=1)
-        metrics = self._metrics(rows, trainer)
-        if trainer.is_global_zero:
-            try:
-                self._append_csv(rows)
-            except OSError as e:  # rank 0 alone writes: raising would leave the others waiting in a gather
-                rank_zero_warn(f"LoadBalanceMonitor: cannot append to {self.csv_path} ({e}); "
-                               f"{rows.shape[1]} batches of per-rank rows are lost, training goes on")
-            step = int(rows[0, -1, _COL["step"]])
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        rows = gathered_rows(trainer.strategy.all_gather(local), local.shape, trainer.world_size)  # (k, world, F)
+        metrics = self.tracker.update(rows)
+        if not trainer.is_global_zero:
+            return
+        try:
+            per_rank_log.append_rows(self.csv_path, rows)
+        except OSError as e:  # rank 0 alone writes: raising would leave the others waiting in a gather
+            rank_zero_warn(f"LoadBalanceMonitor: cannot append to {self.csv_path} ({e}); "
+                           f"{rows.shape[0]} batches of per-rank rows are lost, training goes on")
+        metrics.update(self._legacy_skipped(trainer))
+        over_limit = self.tracker.ranks_over_recompile_limit()
+        if over_limit and not self._warned_limit:
+            self._warned_limit = True
+            rank_zero_warn(f"LoadBalanceMonitor: torch.compile hit dynamo's recompile limit on rank(s) {over_limit}: "
+                           f"the code that hit it now runs eagerly (slower) for the rest of the run. Raise "
+                           f"torch._dynamo.config.recompile_limit (now {_recompile_limit()}) or mark the varying "
+                           f"dims dynamic; TORCH_LOGS=recompiles shows the reasons")
+        step = int(rows[-1, 0, FIELDS.index("step")])
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
-    def _metrics(self, rows: np.ndarray, trainer: Trainer) -> dict[str, float]:
-        load = rows[:, :, _COL["load"]]
-        step_ms = rows[:, :, _COL["step_time_ms"]]
-        tokens = rows[:, :, _COL["tokens"]]
-        load_stats = cross_rank_stats(load)
-        time_stats = cross_rank_stats(step_ms)
-        interval_s = rows[:, :, _COL["interval_ms"]].sum(axis=1).max() / 1e3
-        self._recent_step_ms.extend(step_ms.mean(axis=0).tolist())
-        run = self._run
-        run["load_cv"].append(load_stats["cv"])
-        run["load_max_over_mean"].append(load_stats["max_over_mean"])
-        run["bubble_frac"].append(load_stats["bubble"])
-        run["step_time_cv"].append(time_stats["cv"])
-        run["mean_step_ms"].append(step_ms.mean(axis=0))
-        run["tokens"].append(np.array([tokens.sum()]))
-        run["interval_s"].append(np.array([interval_s]))
-        metrics = {
-            "balance/load_cv": float(load_stats["cv"].mean()),
-            "balance/load_max_over_mean": float(load_stats["max_over_mean"].mean()),
-            "balance/bubble_frac": float(load_stats["bubble"].mean()),
-            "balance/step_time_cv": float(time_stats["cv"].mean()),
-            "balance/step_time_cv_temporal": temporal_cv(self._recent_step_ms),
-            "throughput/tokens_per_s": float(tokens.sum() / interval_s) if interval_s > 0 else 0.0,
-        }
-        if self._active_cost_model is not None:  # loads are predicted ms, comparable with step times
-            unpredicted = time_beyond_prediction_ms(load, step_ms)
-            run["unpredicted_ms"].append(unpredicted)
-            metrics["balance/unpredicted_ms"] = float(unpredicted.mean())
-        for r in range(rows.shape[0]):
-            metrics[f"rank{r}/step_time_ms"] = float(step_ms[r].mean())
-            metrics[f"rank{r}/load"] = float(load[r].mean())
-            metrics[f"rank{r}/tokens"] = float(tokens[r].mean())
+    @staticmethod
+    def _legacy_skipped(trainer: Trainer) -> dict[str, float]:
+        """A DataModule without counters() but with a `skipped` dict (reason -> count): its total
+        and counts, as rank 0 holds them, at every logged step."""
         skipped = getattr(trainer.datamodule, "skipped", None)
-        if isinstance(skipped, dict):
-            metrics["data/skipped"] = float(sum(skipped.values()))
-            for reason, count in skipped.items():
-                metrics[f"data/skipped/{reason}"] = float(count)
-        return metrics
-
-    def _append_csv(self, rows: np.ndarray) -> None:
-        new_file = not os.path.exists(self.csv_path)
-        with open(self.csv_path, "a", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            if new_file:
-                writer.writerow(CSV_HEADER)
-            # floats as exact float64 text: `adaptiveload report` recomputes CVs of nearly equal loads
-            for i in range(rows.shape[1]):
-                for r in range(rows.shape[0]):
-                    row = rows[r, i]
-                    writer.writerow([int(row[0]), int(row[1]), int(row[2]), r]
-                                    + [int(v) for v in row[3:6]] + [repr(float(v)) for v in row[6:]])
-
-    def _summarize(self, world_size: int) -> dict:
-        if not self._run["load_cv"]:
+        if callable(getattr(trainer.datamodule, "counters", None)) or not isinstance(skipped, dict):
             return {}
-        run = {name: np.concatenate(parts) for name, parts in self._run.items()}
-        mean_step_ms = float(np.mean(run["mean_step_ms"]))
-        interval_s = float(np.sum(run["interval_s"]))
-        overhead_ms_per_step = self.overhead_ms / max(self.steps_seen, 1)
-        unpredicted = {"unpredicted_ms_mean": float(np.mean(run["unpredicted_ms"]))} if "unpredicted_ms" in run else {}
-        return {
-            **unpredicted,
-            "steps": len(run["load_cv"]),
-            "world_size": world_size,
-            "load_unit": self.load_unit,
-            "load_cv_mean": float(np.mean(run["load_cv"])),
-            "load_cv_max": float(np.max(run["load_cv"])),
-            "load_max_over_mean_mean": float(np.mean(run["load_max_over_mean"])),
-            "bubble_frac_mean": float(np.mean(run["bubble_frac"])),
-            "step_time_cv_mean": float(np.mean(run["step_time_cv"])),
-            "step_time_cv_temporal_run": temporal_cv(run["mean_step_ms"]),
-            "step_time_ms_mean": mean_step_ms,
-            "tokens_per_s": float(np.sum(run["tokens"]) / interval_s) if interval_s > 0 else 0.0,
-            "monitor_overhead_ms_per_step": overhead_ms_per_step,
-            "monitor_overhead_frac": overhead_ms_per_step / mean_step_ms if mean_step_ms > 0 else 0.0,
-        }
+        return {"data/skipped": float(sum(skipped.values())),
+                **{f"data/skipped/{reason}": float(count) for reason, count in skipped.items()}}
+
+    def _log_data_counters(self, trainer: Trainer) -> None:
+        """`trainer.datamodule.counters()` (name -> count) logged as data/<name> by rank 0, plus
+        data/skipped, the sum of the skipped/* counts. Called on every rank: counters() may be a
+        collective."""
+        counters = getattr(trainer.datamodule, "counters", None)
+        if not callable(counters):
+            return
+        values = counters()
+        if not isinstance(values, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in values.items()):
+            raise TypeError(f"LoadBalanceMonitor: {type(trainer.datamodule).__name__}.counters() must return a dict "
+                            f"of str -> int, got {values!r}")
+        if not trainer.is_global_zero or not values:
+            return
+        logged = {f"data/{name}": float(count) for name, count in values.items()}
+        skipped = [count for name, count in values.items() if name.startswith("skipped/")]
+        if skipped:
+            logged["data/skipped"] = float(sum(skipped))
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=max(trainer.global_step - 1, 0))
 
 
-def _drop_rows_from_step(csv_path: str, step: int) -> None:
-    """Remove the rows of optimizer steps >= `step`: a fit resumed from the checkpoint at `step`
-    trains them again, and the file must hold every batch once. Incomplete rows (a run killed
-    while writing) go too; this runs on rank 0 alone, so it must not raise on them."""
-    with open(csv_path, newline="", encoding="utf-8", errors="replace") as f:
-        rows = list(csv.reader(f))
-    kept = [list(CSV_HEADER)] + [row for row in rows[1:]
-                                 if len(row) == len(CSV_HEADER) and row[1].isdigit() and int(row[1]) < step]
-    if kept != rows:
-        with open(csv_path, "w", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerows(kept)
+def _steps_planned(trainer: Trainer) -> float:
+    """Optimizer steps this fit will take; inf where Lightning cannot tell (an iterable dataset
+    without max_steps gives -1, changing gradient accumulation raises)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except MisconfigurationException:
+        return math.inf
+    return steps if steps >= 0 else math.inf
 
 
-def format_summary(summary: dict, per_rank_means: np.ndarray) -> str:
-    """The end-of-fit table: one row per rank (means over the fit), then the run's balance."""
-    lines = [f"LoadBalanceMonitor: {summary['steps']} steps x {summary['world_size']} ranks "
-             f"(load in {summary['load_unit']})",
-             f"{'rank':>5} {'samples':>9} {'tokens':>10} {'seq_len':>9} {'load':>12} {'step_ms':>10}"]
-    for r, means in enumerate(per_rank_means):
-        lines.append(f"{r:>5} {means[_COL['samples']]:>9.2f} {means[_COL['tokens']]:>10.1f} "
-                     f"{means[_COL['seq_len']]:>9.1f} {means[_COL['load']]:>12.4g} "
-                     f"{means[_COL['step_time_ms']]:>10.2f}")
-    lines += [
-        f"load CV (mean / max over steps):  {summary['load_cv_mean']:.4f} / {summary['load_cv_max']:.4f}",
-        f"load max/mean (mean):             {summary['load_max_over_mean_mean']:.4f}",
-        f"bubble fraction (mean):           {summary['bubble_frac_mean']:.4f}",
-        f"step-time CV across ranks (mean): {summary['step_time_cv_mean']:.4f}",
-        f"step-time CV over the run:        {summary['step_time_cv_temporal_run']:.4f}",
-        f"global throughput:                {summary['tokens_per_s']:.1f} tokens/s",
-    ]
-    if "unpredicted_ms_mean" in summary:
-        lines.append(f"step time beyond the cost model:  {summary['unpredicted_ms_mean']:.2f} ms/step")
-    lines.append(f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
-                 f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time {summary['step_time_ms_mean']:.2f} ms)")
-    return "\n".join(lines)
+def _recompile_limit() -> str:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return str(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", "unknown")))

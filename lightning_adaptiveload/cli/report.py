@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from lightning_adaptiveload.callbacks.monitor import CSV_NAME, META_NAME, cross_rank_stats, temporal_cv
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_meta, read_per_rank_csv
+from lightning_adaptiveload.scheduling import metrics
 
 PLOT_NAME = "imbalance.png"
-PER_RANK_COLUMNS = ("step", "rank", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms")
 METRIC_COLUMNS = ("balance/load_cv", "balance/load_max_over_mean", "balance/bubble_frac", "balance/step_time_cv",
-                  "balance/step_time_cv_temporal", "throughput/tokens_per_s")
+                  "balance/step_time_cv_temporal", "balance/unpredicted_ms", "balance/busy_cv",
+                  "balance/busy_max_over_mean", "throughput/tokens_per_s")
+SUMMARY_ROWS = ("load_cv", "load_max_over_mean", "bubble_frac", "step_time_cv", "step_time_cv_temporal",
+                "unpredicted_ms", "busy_cv", "busy_max_over_mean")
 
 
 def register(subparsers) -> None:
@@ -36,43 +38,32 @@ def _newest(root: Path, name: str) -> Path | None:
     return found[-1] if found else None
 
 
-def read_per_rank_csv(path: str | Path) -> dict[str, np.ndarray]:
-    """Columns of balance_per_rank.csv reshaped to (batches, world) float64 arrays."""
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in PER_RANK_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path}: not a LoadBalanceMonitor CSV, missing columns {missing}")
-        try:
-            rows = [[float(r[c]) for c in PER_RANK_COLUMNS] for r in reader]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: line {reader.line_num}: unreadable number ({e})") from None
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    table = np.asarray(rows, dtype=np.float64)
-    rank = table[:, PER_RANK_COLUMNS.index("rank")].astype(np.int64)
-    world = int(rank.max()) + 1
-    # The monitor writes each batch as `world` consecutive rows, rank 0 first.
-    if len(rank) % world or not np.array_equal(rank, np.tile(np.arange(world), len(rank) // world)):
-        raise ValueError(f"{path}: rows are not grouped as one row per rank per batch (ranks 0..{world - 1})")
-    return {c: table[:, i].reshape(-1, world) for i, c in enumerate(PER_RANK_COLUMNS)}
-
-
-def per_step_series(cols: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
-    """Per batch (n,): step, load_cv, load_max_over_mean, bubble_frac, step_time_cv (across ranks),
-    step_time_cv_temporal (CV of the rank-mean step time over the last `window` batches), and the
-    slowest rank's predicted load and measured step time (load_max, step_time_max_ms)."""
-    load = cross_rank_stats(cols["load"].T)
-    step_time = cross_rank_stats(cols["step_time_ms"].T)
-    mean_ms = cols["step_time_ms"].mean(axis=1)
-    rolling = np.array([temporal_cv(mean_ms[max(0, i + 1 - window):i + 1]) for i in range(len(mean_ms))])
-    return {"step": cols["step"][:, 0], "load_cv": load["cv"], "load_max_over_mean": load["max_over_mean"],
-            "bubble_frac": load["bubble"], "step_time_cv": step_time["cv"], "step_time_cv_temporal": rolling,
-            "load_max": cols["load"].max(axis=1), "step_time_max_ms": cols["step_time_ms"].max(axis=1)}
+def per_step_series(cols: dict[str, np.ndarray], window: int, load_in_ms: bool = True) -> dict[str, np.ndarray]:
+    """Per batch (n,), from the (batches, ranks) columns of read_per_rank_csv: step, load_cv,
+    load_max_over_mean, bubble_frac (of the batch alone), step_time_cv (across ranks),
+    step_time_cv_temporal (over the last `window` batches), busy_cv and busy_max_over_mean (NaN
+    on batches not profiled), unpredicted_ms (loads in ms only, else NaN), and the slowest rank's
+    predicted load and measured step time (load_max, step_time_max_ms). scheduling/metrics.py
+    defines each."""
+    load, step_ms, busy = cols["load"], cols["step_time_ms"], cols["busy_ms"]
+    n = load.shape[0]
+    rolling = np.array([metrics.step_time_cv_temporal(step_ms[max(0, i + 1 - window):i + 1]) for i in range(n)])
+    profiled = np.isfinite(busy).all(axis=1)
+    busy_cv, busy_mom = np.full(n, np.nan), np.full(n, np.nan)
+    if profiled.any():
+        busy_cv[profiled] = metrics.cv_across_ranks(busy[profiled])
+        busy_mom[profiled] = metrics.max_over_mean(busy[profiled])
+    unpredicted = metrics.time_beyond_prediction_ms(load, step_ms) if load_in_ms else np.full(n, np.nan)
+    return {"step": cols["step"][:, 0], "load_cv": metrics.cv_across_ranks(load),
+            "load_max_over_mean": metrics.max_over_mean(load), "bubble_frac": metrics.bubble_per_step(load),
+            "step_time_cv": metrics.cv_across_ranks(step_ms), "step_time_cv_temporal": rolling,
+            "busy_cv": busy_cv, "busy_max_over_mean": busy_mom, "unpredicted_ms": unpredicted,
+            "load_max": metrics.step_time(load), "step_time_max_ms": metrics.step_time(step_ms)}
 
 
 def read_metrics_csv(path: str | Path) -> dict[str, np.ndarray]:
-    """Rows of a CSVLogger metrics.csv that carry balance/* values: step and METRIC_COLUMNS."""
+    """Rows of a CSVLogger metrics.csv that carry balance/* values: step and METRIC_COLUMNS (NaN
+    where a row or the file lacks one)."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         if "balance/load_cv" not in (reader.fieldnames or []):
@@ -95,21 +86,38 @@ def _describe(name: str, values: np.ndarray) -> str:
 
 
 def summarize(series: dict[str, np.ndarray]) -> list[str]:
+    """mean / p50 / p95 / max over the points of each series that has finite values."""
     lines = [f"{'metric':<26} {'mean':>9} {'p50':>9} {'p95':>9} {'max':>9}"]
-    for name in ("load_cv", "load_max_over_mean", "bubble_frac", "step_time_cv", "step_time_cv_temporal"):
+    for name in SUMMARY_ROWS:
         values = series.get(name)
         if values is not None and np.isfinite(values).any():
             lines.append(_describe(name, values[np.isfinite(values)]))
     return lines
 
 
-def skipped_counts(metrics_csv: str | Path) -> dict[str, float]:
-    """Last logged value of each data/skipped* column of a CSVLogger metrics.csv."""
+def run_summary(cols: dict[str, np.ndarray]) -> list[str]:
+    """The whole run's lines: time-weighted bubble, step-time CV over every batch, throughput,
+    and the torch.compile counts (the most on any rank) when the monitor recorded any."""
+    lines = [f"bubble fraction over the run (time-weighted): {metrics.bubble_fraction(cols['load']):.4f}",
+             f"step-time CV over the run: {metrics.step_time_cv_temporal(cols['step_time_ms']):.4f}"]
+    wall_s = cols["interval_ms"].sum(axis=0).max() / 1e3
+    if wall_s > 0:
+        lines.append(f"global throughput: {metrics.measured_throughput(cols['tokens'], cols['interval_ms']):.1f} "
+                     f"tokens/s over {wall_s:.1f} s of training")
+    last = {name: cols[f"compile_{name}"][-1] for name in ("recompiles", "graph_breaks")}
+    if all(np.isfinite(v).all() for v in last.values()) and any(v.max() > 0 for v in last.values()):
+        lines.append(f"torch.compile during training: {int(last['recompiles'].max())} recompiles, "
+                     f"{int(last['graph_breaks'].max())} graph breaks (the most on one rank)")
+    return lines
+
+
+def data_counters(metrics_csv: str | Path) -> dict[str, float]:
+    """Last logged value of each data/* column of a CSVLogger metrics.csv."""
     last: dict[str, float] = {}
     with open(metrics_csv, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
             for key, value in row.items():
-                if key.startswith("data/skipped") and value:
+                if key and key.startswith("data/") and value:
                     last[key] = float(value)
     return last
 
@@ -140,6 +148,9 @@ def plot_imbalance(series: dict[str, np.ndarray], x: np.ndarray, xlabel: str, ou
                         ("step_time_cv", "step-time CV across ranks"),
                         ("step_time_cv_temporal", "step-time CV over rolling window")):
         top.plot(x, series[name], label=label, lw=1)
+    busy = np.isfinite(series.get("busy_cv", np.array([])))
+    if busy.any():  # sampled steps only: points
+        top.plot(x[busy], series["busy_cv"][busy], "o", ms=4, label="busy-time CV across ranks (profiled)")
     top.set_ylabel("coefficient of variation")
     top.legend(fontsize=8)
     top.set_title(title, fontsize=9)
@@ -170,41 +181,43 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"adaptiveload report: --window must be >= 2 steps, got {args.window}")
     per_rank = root / CSV_NAME if (root / CSV_NAME).is_file() else _newest(root, CSV_NAME)
     if per_rank is not None:
-        meta_path = per_rank.parent / META_NAME
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+        meta = read_meta(per_rank.parent)
         window = args.window if args.window is not None else int(meta.get("window", 50))
+        load_unit = meta.get("load_unit", "")
         cols = read_per_rank_csv(per_rank)
-        series = per_step_series(cols, window)
+        series = per_step_series(cols, window, load_in_ms=load_unit.startswith("ms"))
         n, world = cols["load"].shape
-        wall_s = cols["interval_ms"].sum(axis=0).max() / 1e3
-        print(f"{per_rank}: {n} train batches x {world} ranks; load in {meta.get('load_unit', 'unknown units')}")
-        print(f"{'rank':>5} {'samples':>9} {'tokens':>10} {'load':>12} {'step_ms':>10}")
+        profiled = np.isfinite(cols["busy_ms"]).all(axis=1)
+        print(f"{per_rank}: {n} train batches x {world} ranks; load in {load_unit or 'unknown units'}"
+              + (f"; busy time profiled on {int(profiled.sum())} batches" if profiled.any() else ""))
+        print(f"{'rank':>5} {'samples':>9} {'tokens':>10} {'load':>12} {'step_ms':>10} {'busy_ms':>10} {'comm_ms':>10}")
         for r in range(world):
+            busy_ms, comm_ms = ((cols["busy_ms"][profiled, r].mean(), cols["comm_ms"][profiled, r].mean())
+                                if profiled.any() else (math.nan, math.nan))
             print(f"{r:>5} {cols['samples'][:, r].mean():>9.2f} {cols['tokens'][:, r].mean():>10.1f} "
-                  f"{cols['load'][:, r].mean():>12.4g} {cols['step_time_ms'][:, r].mean():>10.2f}")
+                  f"{cols['load'][:, r].mean():>12.4g} {cols['step_time_ms'][:, r].mean():>10.2f} "
+                  f"{busy_ms:>10.2f} {comm_ms:>10.2f}")
         print("\n".join(summarize(series)))
-        if wall_s > 0:
-            print(f"global throughput: {cols['tokens'].sum() / wall_s:.1f} tokens/s over {wall_s:.1f} s of training")
+        print("\n".join(run_summary(cols)))
         r_value, ratio = prediction_check(series)
         print(f"slowest rank's step time vs predicted load: Pearson R = {r_value:.3f}, "
               f"median measured/predicted = {ratio:.3g}")
         source, x, xlabel = per_rank, np.arange(n), "train batch"
         title = f"{per_rank.parent.name}: {world} ranks, rolling window {window} steps"
-        load_unit = meta.get("load_unit", "")
     else:
-        metrics = root / "metrics.csv" if (root / "metrics.csv").is_file() else _newest(root, "metrics.csv")
-        if metrics is None:
+        metrics_path = root / "metrics.csv" if (root / "metrics.csv").is_file() else _newest(root, "metrics.csv")
+        if metrics_path is None:
             raise SystemExit(f"adaptiveload report: no {CSV_NAME} or metrics.csv under {root}")
-        series = read_metrics_csv(metrics)
-        print(f"{metrics}: {len(series['step'])} logged steps (means over each log interval; "
+        series = read_metrics_csv(metrics_path)
+        print(f"{metrics_path}: {len(series['step'])} logged steps (each value over its log interval; "
               f"{CSV_NAME} not found, so no per-rank table)")
         print("\n".join(summarize(series)))
-        source, x, xlabel = metrics, series["step"], "optimizer step (logged steps)"
-        title = f"{metrics.parent.name}: logged balance metrics (means over each log interval)"
+        source, x, xlabel = metrics_path, series["step"], "optimizer step (logged steps)"
+        title = f"{metrics_path.parent.name}: logged balance metrics (each over its log interval)"
         load_unit = ""
     metrics_csv = source.parent / "metrics.csv"
     if metrics_csv.is_file():
-        for key, value in skipped_counts(metrics_csv).items():
+        for key, value in data_counters(metrics_csv).items():
             print(f"{key}: {value:.0f}")
     out = source.parent / PLOT_NAME
     plot_imbalance(series, x, xlabel, out, title, load_unit)

@@ -22,7 +22,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(f"policy {result['policy']} on {result['world_size']} ranks, {result['steps']} steps "
           f"({result['epochs_used']} epoch(s) of {result['steps_per_epoch']} steps)")
-    for key in ("load_cv_mean", "load_max_over_mean_mean", "bubble_frac", "step_time_cv"):
+    for key in ("load_cv_mean", "load_max_over_mean_mean", "bubble_frac", "step_time_cv_temporal"):
         print(f"  {key:<26} {result[key]:.4f}")
     print(f"  {'step_time_mean_ms':<26} {result['step_time_mean_ms']:.1f}")
     print(f"  {'predicted_tokens_per_s':<26} {result['predicted_tokens_per_s']:.0f}")

@@ -7,6 +7,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lightning_adaptiveload._validation import require_int
+from lightning_adaptiveload.scheduling import metrics
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
 from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_schedule
@@ -14,28 +15,26 @@ from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatc
 
 def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) -> dict:
     """Load-balance metrics of per-rank step times. All inputs (steps, world_size): predicted time
-    (ms), tokens and samples each rank ran at each step.
+    (ms), tokens and samples each rank ran at each step. Definitions in scheduling/metrics.py:
 
-    load_cv_mean: mean over steps of std/mean (population std) across ranks;
-    load_max_over_mean_mean: mean over steps of max/mean; bubble_frac: 1 - sum(step mean) / sum(step max);
-    predicted_tokens_per_s, predicted_samples_per_s: all ranks' work over the sum of step max times;
-    step_time_cv: std/mean over steps of the step time (the slowest rank's).
+    load_cv_mean: mean over steps of the CV across ranks; load_max_over_mean_mean: mean over steps
+    of max/mean; bubble_frac: the time-weighted bubble fraction; predicted_tokens_per_s,
+    predicted_samples_per_s: all ranks' work over the sum of step times; step_time_mean_ms: the
+    mean step time (the slowest rank's); step_time_cv_temporal: CV over steps of the step time.
     """
     times_ms = np.asarray(times_ms, dtype=np.float64)
     if times_ms.ndim != 2 or times_ms.size == 0:
         raise ValueError(f"times_ms must be a non-empty (steps, world_size) array, got shape {times_ms.shape}")
-    mean, peak = times_ms.mean(axis=1), times_ms.max(axis=1)
-    wall_s = peak.sum() / 1e3
     return {
         "steps": int(times_ms.shape[0]),
         "world_size": int(times_ms.shape[1]),
-        "load_cv_mean": float((times_ms.std(axis=1) / mean).mean()),
-        "load_max_over_mean_mean": float((peak / mean).mean()),
-        "bubble_frac": float(1.0 - mean.sum() / peak.sum()),
-        "predicted_tokens_per_s": float(np.sum(tokens) / wall_s),
-        "predicted_samples_per_s": float(np.sum(samples) / wall_s),
-        "step_time_mean_ms": float(peak.mean()),
-        "step_time_cv": float(peak.std() / peak.mean()),
+        "load_cv_mean": metrics.mean_over_steps(metrics.cv_across_ranks(times_ms)),
+        "load_max_over_mean_mean": metrics.mean_over_steps(metrics.max_over_mean(times_ms)),
+        "bubble_frac": metrics.bubble_fraction(times_ms),
+        "predicted_tokens_per_s": metrics.predicted_throughput(tokens, times_ms),
+        "predicted_samples_per_s": metrics.predicted_throughput(samples, times_ms),
+        "step_time_mean_ms": metrics.mean_over_steps(metrics.step_time(times_ms)),
+        "step_time_cv_temporal": metrics.step_time_cv_temporal(times_ms),
     }
 
 
@@ -46,7 +45,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
 
     The dataset is the mix's histogram expanded to one entry per sample, or, with num_samples,
     that many samples drawn from the mix's shape distribution (seeded). Returns step_metrics plus
-    policy, m_mem, m_comp, p, the bucket table (tokens, samples, batch size) and the first epoch's
+    policy, m_mem, m_comp, p, the bucket table (`BucketTable.to_dict()`) and the first epoch's
     sample accounting (samples_per_epoch, steps_per_epoch, dropped_*). progress: a tqdm bar of
     steps on a terminal.
     """
@@ -75,11 +74,10 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         if epoch == 1:
             first = sampler.stats
     bar.close()
-    metrics = step_metrics(np.concatenate(times), np.concatenate(tokens), np.concatenate(samples))
-    counts = np.bincount(sampler.bucket_of[sampler.bucket_of >= 0], minlength=len(sampler.bucket_seq_len))
+    balance = step_metrics(np.concatenate(times), np.concatenate(tokens), np.concatenate(samples))
     return {
         "policy": policy,
-        **metrics,
+        **balance,
         "m_mem": int(m_mem),
         "m_comp": sampler.m_comp,
         "p": sampler.p,
@@ -90,8 +88,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         "dropped_oversize": first["dropped_oversize"],
         "dropped_partial_batch": first["dropped_partial_batch"],
         "dropped_step_remainder": first["dropped_step_remainder"],
-        "buckets": {"tokens": sampler.bucket_seq_len.tolist(), "samples": counts.tolist(),
-                    "batch_size": sampler.bucket_batch.tolist()},
+        "buckets": sampler.bucket_table.to_dict(),
     }
 
 
@@ -102,7 +99,7 @@ def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int
     mix (as from its own shards of a shuffled corpus) through a StreamingBucketBatcher with no
     communication. Returns step_metrics plus the stage's counts summed over ranks
     (fallback_batches, partial_batches, skipped_oversize) and the largest buffer any rank held."""
-    plan = make_stream_schedule(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
+    schedule = make_stream_schedule(mix, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
                                 max_seq_len=max_seq_len, class_tolerance=class_tolerance)
     probs = mix.counts / mix.counts.sum()
     batch_len = np.zeros((steps, world_size), dtype=np.int64)
@@ -115,7 +112,7 @@ def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int
             while True:
                 yield from ({"seq_len": int(s)} for s in rng.choice(mix.tokens, size=4096, p=probs))
 
-        stage = StreamingBucketBatcher(plan, batches_per_epoch=steps, seed=seed, max_buffer_samples=max_buffer_samples,
+        stage = StreamingBucketBatcher(schedule, batches_per_epoch=steps, seed=seed, max_buffer_samples=max_buffer_samples,
                                        worker=0, num_workers=1)
         for step, batch in enumerate(stage(stream())):
             batch_len[step, rank] = len(batch)
@@ -124,7 +121,7 @@ def simulate_streaming(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int
             combine = max if key == "buffer_peak_samples" else int.__add__
             totals[key] = combine(totals[key], stage.stats[key])
     times = np.asarray(cost_model.predict(batch_len, batch_seq_len), dtype=np.float64)
-    metrics = step_metrics(times, batch_len * batch_seq_len, batch_len)
-    return {"policy": f"streaming_{policy}", **metrics, "m_mem": int(m_mem), "m_comp": plan.m_comp, "p": plan.p,
+    balance = step_metrics(times, batch_len * batch_seq_len, batch_len)
+    return {"policy": f"streaming_{policy}", **balance, "m_mem": int(m_mem), "m_comp": schedule.m_comp, "p": schedule.p,
             "max_buffer_samples": int(max_buffer_samples), "class_tolerance": float(class_tolerance),
-            "cost_classes": int(len(plan.class_prob)), **totals}
+            "cost_classes": int(len(schedule.class_prob)), **totals}

@@ -20,9 +20,11 @@ _spec.loader.exec_module(e2e)
 WORLD, BATCHES = 2, 12
 
 
-def _write_run(log_dir: Path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _write_run(log_dir: Path, rng: np.random.Generator, busy: bool = False) -> dict[str, np.ndarray]:
     """A monitor CSV of BATCHES batches x WORLD ranks; two batches per optimizer step (so `step`
-    repeats). Returns the columns as (batches, world) arrays."""
+    repeats). Without `busy`, the columns of a CSV written before busy time existed; with it,
+    busy_ms and comm_ms on every third batch (NaN on the others). Returns the columns as
+    (batches, world) arrays."""
     cols = {
         "samples": rng.integers(1, 9, size=(BATCHES, WORLD)),
         "seq_len": rng.integers(64, 4096, size=(BATCHES, WORLD)),
@@ -31,15 +33,20 @@ def _write_run(log_dir: Path, rng: np.random.Generator) -> dict[str, np.ndarray]
         "interval_ms": rng.uniform(80.0, 90.0, size=(BATCHES, WORLD)),
     }
     cols["tokens"] = cols["samples"] * cols["seq_len"]
+    floats = ["load", "step_time_ms", "interval_ms"]
+    if busy:
+        profiled = (np.arange(BATCHES) % 3 == 2)[:, None]
+        cols["busy_ms"] = np.where(profiled, rng.uniform(5.0, 60.0, size=(BATCHES, WORLD)), np.nan)
+        cols["comm_ms"] = np.where(profiled, rng.uniform(0.0, 20.0, size=(BATCHES, WORLD)), np.nan)
+        floats += ["busy_ms", "comm_ms"]
     log_dir.mkdir(parents=True)
     with open(log_dir / "balance_per_rank.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["epoch", "step", "batch_idx", "rank", "samples", "tokens", "seq_len", "load", "step_time_ms",
-                         "interval_ms"])
+        writer.writerow(["epoch", "step", "batch_idx", "rank", "samples", "tokens", "seq_len"] + floats)
         for i in range(BATCHES):
             for r in range(WORLD):
                 writer.writerow([0, i // 2, i, r] + [int(cols[k][i, r]) for k in ("samples", "tokens", "seq_len")]
-                                + [repr(float(cols[k][i, r])) for k in ("load", "step_time_ms", "interval_ms")])
+                                + [repr(float(cols[k][i, r])) for k in floats])
     return cols
 
 
@@ -67,9 +74,12 @@ def test_summarize_run_follows_the_monitoring_definitions(tmp_path):
     assert got["load_cv"] == pytest.approx(sum(_cv(x) for x in load) / len(load), rel=1e-12)
     assert got["load_max_over_mean"] == pytest.approx(sum(max(x) / (sum(x) / WORLD) for x in load) / len(load),
                                                       rel=1e-12)
-    assert got["bubble_frac"] == pytest.approx(sum(1 - (sum(x) / WORLD) / max(x) for x in load) / len(load), rel=1e-12)
+    # time-weighted: idle rank-time over the slowest ranks' time
+    assert got["bubble_frac"] == pytest.approx(1 - sum(sum(x) / WORLD for x in load) / sum(max(x) for x in load),
+                                               rel=1e-12)
     assert got["step_time_cv_ranks"] == pytest.approx(sum(_cv(x) for x in step) / len(step), rel=1e-12)
-    assert got["step_time_cv_temporal"] == pytest.approx(_cv([sum(x) / WORLD for x in step]), rel=1e-12)
+    assert got["step_time_cv_temporal"] == pytest.approx(_cv([max(x) for x in step]), rel=1e-12)
+    assert math.isnan(got["busy_cv"]) and got["busy_steps"] == 0  # a CSV from before busy time
     # every batch counts once, although two batches share each optimizer step
     tokens = sum(int(cols["tokens"][i, r]) for i in range(BATCHES) for r in range(WORLD))
     assert got["steps"] == BATCHES and got["tokens_consumed"] == tokens
@@ -83,6 +93,18 @@ def test_summarize_run_follows_the_monitoring_definitions(tmp_path):
     assert got["predicted_step_sum_s"] == pytest.approx(sum(slowest) / 1e3, rel=1e-12)
     assert got["measured_step_sum_s"] == pytest.approx(sum(mean_time) / 1e3, rel=1e-12)
     assert got["unpredicted_ms_per_step"] == pytest.approx((sum(mean_time) - sum(slowest)) / BATCHES, rel=1e-12)
+
+
+def test_summarize_run_busy_time_of_the_profiled_batches(tmp_path):
+    rng = np.random.default_rng(8)
+    cols = _write_run(tmp_path / "run", rng, busy=True)
+    got = e2e.summarize_run(_result("balanced", tmp_path / "run", 7.5, rng, cols["samples"][:, 0]))
+    busy = [[float(cols["busy_ms"][i, r]) for r in range(WORLD)] for i in range(e2e.WARMUP_STEPS, BATCHES)
+            if i % 3 == 2]
+    assert got["busy_steps"] == len(busy) > 0
+    assert got["busy_cv"] == pytest.approx(sum(_cv(x) for x in busy) / len(busy), rel=1e-12)
+    assert got["busy_max_over_mean"] == pytest.approx(sum(max(x) / (sum(x) / WORLD) for x in busy) / len(busy),
+                                                      rel=1e-12)
 
 
 def test_unpredicted_time_by_sample_length_bands(tmp_path):

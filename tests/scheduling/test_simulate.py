@@ -24,7 +24,7 @@ def test_step_metrics_hand_computed():
     assert m["predicted_tokens_per_s"] == pytest.approx(80 / 0.005)
     assert m["predicted_samples_per_s"] == pytest.approx(10 / 0.005)
     assert m["step_time_mean_ms"] == pytest.approx(2.5)
-    assert m["step_time_cv"] == pytest.approx(0.5 / 2.5)
+    assert m["step_time_cv_temporal"] == pytest.approx(0.5 / 2.5)  # step times 3 and 2: CV over steps
     assert m["steps"] == 2 and m["world_size"] == 2
 
 
@@ -67,7 +67,7 @@ def test_simulate_spans_epochs_and_counts_drops():
     r = simulate(mix, model, m_mem=65536, world_size=4, policy="dual_constraint", steps=500)
     assert r["steps"] == 500 and r["epochs_used"] > 1
     assert r["dropped_oversize"] == int(mix.counts[3])
-    assert r["buckets"]["tokens"] == [256, 4096, 30000]
+    assert r["buckets"]["seq_len"] == [256, 4096, 30000]
     drawn = simulate(mix, model, m_mem=65536, world_size=4, policy="balanced", steps=50, num_samples=20000)
     assert drawn["samples_per_epoch"] == 20000
     assert drawn["load_cv_mean"] < r["load_cv_mean"]

@@ -1,0 +1,186 @@
+"""BalanceTracker: the arithmetic of LoadBalanceMonitor, free of Lightning.
+
+The callback gathers every rank's rows of one log interval and hands them to `update`, which
+returns the metrics to log and adds the interval to the run's summary; `summary()` and
+`format_summary()` give the end-of-fit numbers and table. Every metric is a function of
+scheduling/metrics.py; docs/monitoring.md defines each logged key.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_NAMES
+from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS
+from lightning_adaptiveload.scheduling import metrics
+
+# Per-step series kept for the run summary (one float per step each, not per rank).
+_SERIES = ("load_cv", "load_max_over_mean", "load_mean", "load_max", "step_time_cv", "step_time_ms",
+           "rank_mean_step_ms", "unpredicted_ms", "busy_cv", "busy_max_over_mean")
+_PER_RANK_MEANS = ("samples", "tokens", "seq_len", "load", "step_time_ms")
+
+
+class BalanceTracker:
+    """Turns gathered per-rank rows into logged metrics and a run summary.
+
+    world_size: ranks (the rows' second axis). window: steps of the rolling
+    `balance/step_time_cv_temporal`. load_unit: text of the load's unit; loads in ms (a cost
+    model) also give `balance/unpredicted_ms`.
+    """
+
+    def __init__(self, world_size: int, window: int = 50, load_unit: str = "ms (cost model)"):
+        if int(window) < 2:
+            raise ValueError(f"window must be >= 2 steps, got {window}")
+        self.world_size = int(world_size)
+        self.window = int(window)
+        self.load_unit = load_unit
+        self.load_in_ms = load_unit.startswith("ms")
+        self._recent_step_ms: collections.deque = collections.deque(maxlen=self.window)
+        self._series: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+        self._rank_sums = np.zeros((self.world_size, len(FIELDS)))
+        self._busy_sums = np.zeros((self.world_size, 2))  # busy_ms, comm_ms summed over profiled steps
+        self._busy_steps = 0
+        self._last = np.full((self.world_size, len(FIELDS)), np.nan)  # latest row of each rank
+        self.steps = 0
+
+    def update(self, rows: np.ndarray) -> dict[str, float]:
+        """Metrics of one log interval from `rows (steps, ranks, len(FIELDS))` (per_rank_log.FIELDS
+        order); adds the interval to the run summary."""
+        rows = np.asarray(rows, dtype=np.float64)
+        if rows.ndim != 3 or rows.shape[1:] != (self.world_size, len(FIELDS)) or rows.shape[0] == 0:
+            raise ValueError(f"BalanceTracker.update needs rows of shape (steps >= 1, {self.world_size}, "
+                             f"{len(FIELDS)}), got {rows.shape}")
+
+        def col(name: str) -> np.ndarray:
+            return rows[:, :, COLUMN[name]]
+
+        load, step_ms, tokens = col("load"), col("step_time_ms"), col("tokens")
+        per_step = {
+            "load_cv": metrics.cv_across_ranks(load),
+            "load_max_over_mean": metrics.max_over_mean(load),
+            "load_mean": metrics.rank_mean(load),
+            "load_max": metrics.step_time(load),
+            "step_time_cv": metrics.cv_across_ranks(step_ms),
+            "step_time_ms": metrics.step_time(step_ms),
+            "rank_mean_step_ms": metrics.rank_mean(step_ms),
+        }
+        self._recent_step_ms.extend(per_step["step_time_ms"].tolist())
+        out = {
+            "balance/load_cv": metrics.mean_over_steps(per_step["load_cv"]),
+            "balance/load_max_over_mean": metrics.mean_over_steps(per_step["load_max_over_mean"]),
+            "balance/bubble_frac": metrics.bubble_fraction(load),
+            "balance/step_time_cv": metrics.mean_over_steps(per_step["step_time_cv"]),
+            "balance/step_time_cv_temporal": metrics.temporal_cv(self._recent_step_ms),
+            "throughput/tokens_per_s": metrics.measured_throughput(tokens, col("interval_ms")),
+        }
+        if self.load_in_ms:  # loads are predicted ms, comparable with step times
+            per_step["unpredicted_ms"] = metrics.time_beyond_prediction_ms(load, step_ms)
+            out["balance/unpredicted_ms"] = metrics.mean_over_steps(per_step["unpredicted_ms"])
+        profiled = np.isfinite(col("busy_ms")).all(axis=1) & np.isfinite(col("comm_ms")).all(axis=1)
+        if profiled.any():
+            busy, comm = col("busy_ms")[profiled], col("comm_ms")[profiled]
+            per_step["busy_cv"] = metrics.cv_across_ranks(busy)
+            per_step["busy_max_over_mean"] = metrics.max_over_mean(busy)
+            out["balance/busy_cv"] = metrics.mean_over_steps(per_step["busy_cv"])
+            out["balance/busy_max_over_mean"] = metrics.mean_over_steps(per_step["busy_max_over_mean"])
+            self._busy_sums += np.stack([busy.sum(axis=0), comm.sum(axis=0)], axis=1)
+            self._busy_steps += int(profiled.sum())
+        for r in range(self.world_size):
+            out[f"rank{r}/step_time_ms"] = float(step_ms[:, r].mean())
+            out[f"rank{r}/load"] = float(load[:, r].mean())
+            out[f"rank{r}/tokens"] = float(tokens[:, r].mean())
+            if profiled.any():
+                out[f"rank{r}/busy_ms"] = float(col("busy_ms")[profiled, r].mean())
+                out[f"rank{r}/comm_ms"] = float(col("comm_ms")[profiled, r].mean())
+        self._last = rows[-1]
+        out.update({f"compile/{name}": value for name, value in self.compile_counts().items()
+                    if name != "limit_hits" and value is not None})
+        for name, values in per_step.items():
+            self._series[name].append(values)
+        self._rank_sums += rows.sum(axis=0)
+        self.steps += rows.shape[0]
+        return out
+
+    def compile_counts(self) -> dict[str, int | None]:
+        """torch.compile counts since train start, the most of any rank, at the latest row:
+        {"recompiles", "graph_breaks", "limit_hits"} (None where torch keeps no such counter)."""
+        out = {}
+        for name in COMPILE_NAMES:
+            values = self._last[:, COLUMN[f"compile_{name}"]]
+            out[name] = int(values.max()) if np.isfinite(values).all() else None
+        return out
+
+    def ranks_over_recompile_limit(self) -> list[int]:
+        """Ranks on which dynamo refused a recompile at its limit since train start (latest row)."""
+        return np.flatnonzero(self._last[:, COLUMN["compile_limit_hits"]] > 0).tolist()
+
+    def summary(self, overhead_ms_per_step: float = 0.0) -> dict:
+        """The run so far: means over every step of the per-step metrics (load CV also its max),
+        the time-weighted bubble, step-time CV over the whole run, global tokens/s, busy time
+        and compile counts; `overhead_ms_per_step` (the monitor's own time) as ms and as a
+        fraction of the mean step time. {} before the first update."""
+        if not self.steps:
+            return {}
+        run = {name: np.concatenate(parts) for name, parts in self._series.items()}
+        step_ms_mean = metrics.mean_over_steps(run["rank_mean_step_ms"])
+        totals = self._rank_sums[None]  # (1, ranks, F): the run as one step of per-rank sums
+        out = {
+            "steps": self.steps,
+            "world_size": self.world_size,
+            "load_unit": self.load_unit,
+            "load_cv_mean": metrics.mean_over_steps(run["load_cv"]),
+            "load_cv_max": float(run["load_cv"].max()),
+            "load_max_over_mean_mean": metrics.mean_over_steps(run["load_max_over_mean"]),
+            "bubble_frac": metrics.idle_fraction(run["load_mean"], run["load_max"]),
+            "step_time_cv_mean": metrics.mean_over_steps(run["step_time_cv"]),
+            "step_time_cv_temporal_run": metrics.temporal_cv(run["step_time_ms"]),
+            "step_time_ms_mean": step_ms_mean,
+            "tokens_per_s": metrics.measured_throughput(totals[:, :, COLUMN["tokens"]],
+                                                        totals[:, :, COLUMN["interval_ms"]]),
+            "monitor_overhead_ms_per_step": overhead_ms_per_step,
+            "monitor_overhead_frac": overhead_ms_per_step / step_ms_mean if step_ms_mean > 0 else 0.0,
+        }
+        if "unpredicted_ms" in run:
+            out["unpredicted_ms_mean"] = metrics.mean_over_steps(run["unpredicted_ms"])
+        if "busy_cv" in run:
+            out.update({"busy_steps": self._busy_steps,
+                        "busy_cv_mean": metrics.mean_over_steps(run["busy_cv"]),
+                        "busy_max_over_mean_mean": metrics.mean_over_steps(run["busy_max_over_mean"])})
+        out.update({f"compile_{name}": value for name, value in self.compile_counts().items()})
+        return out
+
+    def format_summary(self, summary: dict) -> str:
+        """The end-of-fit table: one row per rank (means over the fit; busy and comm over the
+        profiled steps), then the run's balance from `summary` (as returned by summary())."""
+        means = self._rank_sums / max(self.steps, 1)
+        busy = self._busy_sums / max(self._busy_steps, 1)
+        lines = [f"LoadBalanceMonitor: {summary['steps']} steps x {summary['world_size']} ranks "
+                 f"(load in {summary['load_unit']})",
+                 f"{'rank':>5} {'samples':>9} {'tokens':>10} {'seq_len':>9} {'load':>12} {'step_ms':>10} "
+                 f"{'busy_ms':>10} {'comm_ms':>10}"]
+        for r in range(self.world_size):
+            cells = [f"{means[r, COLUMN[name]]:{width}}" for name, width in
+                     zip(_PER_RANK_MEANS, (">9.2f", ">10.1f", ">9.1f", ">12.4g", ">10.2f"))]
+            cells += [f"{v:>10.2f}" if self._busy_steps else f"{'-':>10}" for v in busy[r]]
+            lines.append(f"{r:>5} " + " ".join(cells))
+        lines += [
+            f"load CV (mean / max over steps):  {summary['load_cv_mean']:.4f} / {summary['load_cv_max']:.4f}",
+            f"load max/mean (mean):             {summary['load_max_over_mean_mean']:.4f}",
+            f"bubble fraction (time-weighted):  {summary['bubble_frac']:.4f}",
+            f"step-time CV across ranks (mean): {summary['step_time_cv_mean']:.4f}",
+            f"step-time CV over the run:        {summary['step_time_cv_temporal_run']:.4f}",
+            f"global throughput:                {summary['tokens_per_s']:.1f} tokens/s",
+        ]
+        if "busy_cv_mean" in summary:
+            lines.append(f"busy CV / max-over-mean (mean):   {summary['busy_cv_mean']:.4f} / "
+                         f"{summary['busy_max_over_mean_mean']:.4f} over {summary['busy_steps']} profiled steps")
+        if "unpredicted_ms_mean" in summary:
+            lines.append(f"step time beyond the cost model:  {summary['unpredicted_ms_mean']:.2f} ms/step")
+        if summary.get("compile_recompiles") or summary.get("compile_graph_breaks"):
+            lines.append(f"torch.compile during training:    {summary['compile_recompiles']} recompiles, "
+                         f"{summary['compile_graph_breaks']} graph breaks")
+        lines.append(f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
+                     f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time "
+                     f"{summary['step_time_ms_mean']:.2f} ms)")
+        return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""BalanceTracker against fp64 loops (statistics module) on random gathered rows: the metrics of
+each interval, the rolling temporal CV across intervals, busy time of the profiled steps only,
+compile counts, and the run summary."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.monitoring.balance import BalanceTracker
+from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS
+
+RANKS, WINDOW = 3, 4
+
+
+def _interval(rng, steps: int, profiled: set[int], compiles: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
+    rows = np.zeros((steps, RANKS, len(FIELDS)))
+    rows[:, :, COLUMN["samples"]] = rng.integers(1, 9, size=(steps, RANKS))
+    rows[:, :, COLUMN["seq_len"]] = rng.integers(64, 4096, size=(steps, RANKS))
+    rows[:, :, COLUMN["tokens"]] = rows[:, :, COLUMN["samples"]] * rows[:, :, COLUMN["seq_len"]]
+    rows[:, :, COLUMN["load"]] = rng.uniform(5, 50, size=(steps, RANKS))
+    rows[:, :, COLUMN["step_time_ms"]] = rng.uniform(10, 60, size=(steps, RANKS))
+    rows[:, :, COLUMN["interval_ms"]] = rows[:, :, COLUMN["step_time_ms"]] + rng.uniform(0, 5, size=(steps, RANKS))
+    rows[:, :, COLUMN["busy_ms"]] = np.nan
+    rows[:, :, COLUMN["comm_ms"]] = np.nan
+    for i in profiled:
+        rows[i, :, COLUMN["busy_ms"]] = rng.uniform(2, 40, size=RANKS)
+        rows[i, :, COLUMN["comm_ms"]] = rng.uniform(0, 10, size=RANKS)
+    for k, name in enumerate(("compile_recompiles", "compile_graph_breaks", "compile_limit_hits")):
+        rows[:, :, COLUMN[name]] = compiles[k]
+    return rows
+
+
+def _cv(x):
+    return statistics.pstdev(x) / statistics.fmean(x)
+
+
+def _col(rows, name):
+    return [[float(v) for v in step] for step in rows[:, :, COLUMN[name]]]
+
+
+def test_interval_metrics_and_summary_match_formulas():
+    rng = np.random.default_rng(0)
+    tracker = BalanceTracker(RANKS, window=WINDOW)
+    intervals = [_interval(rng, 5, {4}, (1, 0, 0)), _interval(rng, 3, set(), (3, 2, 0)),
+                 _interval(rng, 4, {1, 3}, (3, 2, 1))]
+    # the last rank to report a count is rank 2: the logged count is the most of any rank
+    intervals[2][-1, 1, COLUMN["compile_recompiles"]] = 5
+    slowest_so_far = []
+    for k, rows in enumerate(intervals):
+        got = tracker.update(rows)
+        load, ms, tokens = _col(rows, "load"), _col(rows, "step_time_ms"), _col(rows, "tokens")
+        assert got["balance/load_cv"] == pytest.approx(statistics.fmean(_cv(x) for x in load), rel=1e-12)
+        assert got["balance/load_max_over_mean"] == pytest.approx(
+            statistics.fmean(max(x) / statistics.fmean(x) for x in load), rel=1e-12)
+        assert got["balance/bubble_frac"] == pytest.approx(
+            1 - sum(statistics.fmean(x) for x in load) / sum(max(x) for x in load), rel=1e-12)
+        assert got["balance/step_time_cv"] == pytest.approx(statistics.fmean(_cv(x) for x in ms), rel=1e-12)
+        slowest_so_far += [max(x) for x in ms]
+        assert got["balance/step_time_cv_temporal"] == pytest.approx(_cv(slowest_so_far[-WINDOW:]), rel=1e-12)
+        assert got["balance/unpredicted_ms"] == pytest.approx(
+            statistics.fmean(statistics.fmean(m) - max(x) for m, x in zip(ms, load)), rel=1e-12)
+        wall_s = max(sum(rows[i, r, COLUMN["interval_ms"]] for i in range(len(rows))) for r in range(RANKS)) / 1e3
+        assert got["throughput/tokens_per_s"] == pytest.approx(sum(map(sum, tokens)) / wall_s, rel=1e-12)
+        for r in range(RANKS):
+            assert got[f"rank{r}/load"] == pytest.approx(statistics.fmean(x[r] for x in load), rel=1e-12)
+            assert got[f"rank{r}/tokens"] == pytest.approx(statistics.fmean(x[r] for x in tokens), rel=1e-12)
+        profiled = [i for i in range(len(rows)) if np.isfinite(rows[i, 0, COLUMN["busy_ms"]])]
+        if profiled:
+            busy = [_col(rows, "busy_ms")[i] for i in profiled]
+            comm = [_col(rows, "comm_ms")[i] for i in profiled]
+            assert got["balance/busy_cv"] == pytest.approx(statistics.fmean(_cv(x) for x in busy), rel=1e-12)
+            assert got["balance/busy_max_over_mean"] == pytest.approx(
+                statistics.fmean(max(x) / statistics.fmean(x) for x in busy), rel=1e-12)
+            for r in range(RANKS):
+                assert got[f"rank{r}/busy_ms"] == pytest.approx(statistics.fmean(x[r] for x in busy), rel=1e-12)
+                assert got[f"rank{r}/comm_ms"] == pytest.approx(statistics.fmean(x[r] for x in comm), rel=1e-12)
+        else:
+            assert not any("busy" in key or "comm" in key for key in got)
+        expect_recompiles = (1, 3, 5)[k]
+        assert (got["compile/recompiles"], got["compile/graph_breaks"]) == (expect_recompiles, (0, 2, 2)[k])
+        assert tracker.ranks_over_recompile_limit() == ([] if k < 2 else [0, 1, 2])
+
+    run = np.concatenate(intervals)
+    load, ms = _col(run, "load"), _col(run, "step_time_ms")
+    summary = tracker.summary(overhead_ms_per_step=0.5)
+    assert summary["steps"] == len(run) and summary["world_size"] == RANKS
+    assert summary["load_cv_mean"] == pytest.approx(statistics.fmean(_cv(x) for x in load), rel=1e-12)
+    assert summary["load_cv_max"] == pytest.approx(max(_cv(x) for x in load), rel=1e-12)
+    assert summary["bubble_frac"] == pytest.approx(
+        1 - sum(statistics.fmean(x) for x in load) / sum(max(x) for x in load), rel=1e-12)
+    assert summary["step_time_cv_temporal_run"] == pytest.approx(_cv([max(x) for x in ms]), rel=1e-12)
+    mean_ms = statistics.fmean(v for x in ms for v in x)
+    assert summary["step_time_ms_mean"] == pytest.approx(mean_ms, rel=1e-12)
+    assert summary["monitor_overhead_frac"] == pytest.approx(0.5 / mean_ms, rel=1e-12)
+    wall_s = max(run[:, r, COLUMN["interval_ms"]].sum() for r in range(RANKS)) / 1e3
+    assert summary["tokens_per_s"] == pytest.approx(run[:, :, COLUMN["tokens"]].sum() / wall_s, rel=1e-12)
+    busy = [_col(run, "busy_ms")[i] for i in range(len(run)) if np.isfinite(run[i, 0, COLUMN["busy_ms"]])]
+    assert summary["busy_steps"] == len(busy) == 3
+    assert summary["busy_cv_mean"] == pytest.approx(statistics.fmean(_cv(x) for x in busy), rel=1e-12)
+    assert (summary["compile_recompiles"], summary["compile_graph_breaks"], summary["compile_limit_hits"]) == (5, 2, 1)
+    table = tracker.format_summary(summary)
+    assert f"LoadBalanceMonitor: {len(run)} steps x {RANKS} ranks" in table
+    assert "5 recompiles, 2 graph breaks" in table and "over 3 profiled steps" in table
+    rank1 = next(line for line in table.splitlines() if line.split()[:1] == ["1"]).split()
+    assert float(rank1[5]) == pytest.approx(statistics.fmean(x[1] for x in ms), abs=0.01)
+    assert float(rank1[6]) == pytest.approx(statistics.fmean(x[1] for x in busy), abs=0.01)
+
+
+def test_proxy_load_and_bad_rows():
+    rng = np.random.default_rng(1)
+    tracker = BalanceTracker(RANKS, window=WINDOW, load_unit="tokens^2 (proxy)")
+    got = tracker.update(_interval(rng, 3, set()))
+    assert "balance/unpredicted_ms" not in got  # a proxy load is not ms: nothing to compare step times with
+    assert "unpredicted_ms_mean" not in tracker.summary() and "busy_cv_mean" not in tracker.summary()
+    table = tracker.format_summary(tracker.summary())
+    assert "recompiles" not in table and "busy CV" not in table
+    with pytest.raises(ValueError, match=r"shape \(steps >= 1, 3, 14\)"):
+        tracker.update(np.zeros((2, 2, len(FIELDS))))
+    with pytest.raises(ValueError, match="window"):
+        BalanceTracker(2, window=1)
+    assert BalanceTracker(2).summary() == {}

@@ -16,9 +16,6 @@ import argparse
 import json
 
 from lightning_adaptiveload.cli.plan import run_with_clear_errors
-from lightning_adaptiveload.data.index import DUPLICATES, build_index, summarize_bad, summarize_duplicates
-from lightning_adaptiveload.data.shards import resolve_shards
-from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 SHOW_BAD = 5
 
@@ -32,13 +29,18 @@ def register(subparsers) -> None:
     p.add_argument("--patch", type=int, nargs=3, default=(1, 2, 2), metavar=("PT", "PH", "PW"),
                    help="DiT patch (tokens column of the index)")
     p.add_argument("--extra-tokens", type=int, default=0, help="constant tokens per sample (tokens column)")
-    p.add_argument("--duplicates", choices=DUPLICATES, default="first",
+    # data.index.DUPLICATES, spelled out so `--help` does not import the data layer (and torch)
+    p.add_argument("--duplicates", choices=("first", "error"), default="first",
                    help="a key seen before: keep the first sample and report the rest (first, default), or fail "
                         "(error)")
     p.set_defaults(func=lambda args: run_with_clear_errors("index", run, args))
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_adaptiveload.data.index import build_index, summarize_bad, summarize_duplicates
+    from lightning_adaptiveload.data.shards import resolve_shards
+    from lightning_adaptiveload.scheduling.shapes import TokenSpec
+
     shards = resolve_shards(args.shards)
     spec = TokenSpec(patch=tuple(args.patch), extra_tokens=args.extra_tokens)
     count, bad = build_index(shards, args.output, spec, duplicates=args.duplicates)

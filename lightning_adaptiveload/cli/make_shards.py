@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 
 from lightning_adaptiveload.cli.plan import run_with_clear_errors
-from lightning_adaptiveload.data.shards import write_synthetic_shards
-from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
 
 
 def register(subparsers) -> None:
@@ -34,6 +32,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_adaptiveload.data.shards import write_synthetic_shards  # imports torch: not at `--help`
+    from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
+
     spec = TokenSpec(vae_stride_t=args.vae_stride_t, vae_stride_s=args.vae_stride_s, patch=tuple(args.patch))
     mix = read_shapes_jsonl(args.shapes, spec)
     paths = write_synthetic_shards(mix, args.n, args.out, spec=spec, samples_per_shard=args.samples_per_shard,

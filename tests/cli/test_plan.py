@@ -133,3 +133,21 @@ def test_missing_file_and_too_many_ranks(capsys, fitted):
     code, _, err = run(capsys, "simulate", "--shapes", SHAPES, "--cost-model", fitted[0], "--m-mem", "65536",
                        "--world-size", "1000000", "--policy", "token_equal", "--steps", "3")
     assert code == 2 and "world size 1000000 is larger than the number of batches" in err
+
+
+def test_help_loads_neither_torch_nor_lightning():
+    import subprocess
+    import sys
+
+    code = ("import sys; from lightning_adaptiveload.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_index_command_offers_the_duplicate_rules_of_build_index():
+    from lightning_adaptiveload.cli import build_parser
+    from lightning_adaptiveload.data.index import DUPLICATES
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["index"]
+    assert tuple(next(a for a in sub._actions if a.dest == "duplicates").choices) == DUPLICATES

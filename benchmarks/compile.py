@@ -165,7 +165,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from _meta import run_meta
 
+    doc = run_meta("compile") | {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "mode")},
+        "batch_shapes": [[b, list(thw)] for b, thw in batch_shapes(args.m_mem, args.buckets,
+                                                                   0.125 if args.tiny else 1.0)],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     results, failed = [], {}
+
+    def write() -> None:  # after every mode: a run cut short keeps the modes it finished
+        args.out.write_text(json.dumps(doc | {"results": results, "failed": failed}, indent=1) + "\n")
+
     for mode in args.modes.split(","):
         if mode not in MODES:
             parser.error(f"unknown mode {mode!r}; known: {MODES}")
@@ -178,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode or not lines:
             failed[mode] = proc.stderr[-3000:]
             print(f"{mode}: FAILED (exit {proc.returncode})\n{proc.stderr[-1500:]}", flush=True)
+            write()
             continue
         result = json.loads(lines[-1][len("RESULT "):])
         result["process_s"] = time.perf_counter() - begin
         results.append(result)
+        write()
         print(f"{mode}: {result['steady_tokens_per_s']:.0f} tokens/s steady, first pass {result['first_pass_s']:.1f} s, "
               f"compile {result['compile_s']:.1f} s, graphs {result['graphs_compiled']}, recompiles after pass 1 "
               f"{result['recompiles_after_first_pass']}", flush=True)
@@ -194,14 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['mode']:<16} {r['steady_tokens_per_s']:>10.0f} {ratio:>8.3f} {r['first_pass_s']:>10.1f} "
               f"{r['compile_s']:>9.1f} {r['graphs_compiled']:>6} {r['recompiles_after_first_pass']:>7} "
               f"{r['graph_breaks']:>6} {peak}")
-    doc = run_meta("compile") | {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "mode")},
-        "batch_shapes": [[b, list(thw)] for b, thw in batch_shapes(args.m_mem, args.buckets,
-                                                                   0.125 if args.tiny else 1.0)],
-        "results": results, "failed": failed,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 1 if failed else 0
 

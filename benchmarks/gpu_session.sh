@@ -56,16 +56,17 @@ for stage in "$@"; do
         run build 300 python3 setup.py build_ext --inplace
       fi
       run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())" ;;
-    tests)
-      run tests 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ ;;
+    tests)  # TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran on this commit's csrc
+      run tests 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ ${TESTS_ARGS:-} ;;
     host)
       run host 90 python3 benchmarks/adaln_host.py --out "$OUT/host/adaln_host_h200.json" ;;
     compile)
-      run compile 330 python3 benchmarks/compile.py --out "$OUT/compile/compile_h200.json" ;;
+      run compile 330 python3 benchmarks/compile.py --out "$OUT/compile/compile_h200.json" ${COMPILE_ARGS:-} ;;
     warmup)
-      run warmup 270 python3 benchmarks/warmup.py --out "$OUT/warmup/warmup_h200.json" --workdir /tmp/warmup_bench ;;
+      run warmup 270 python3 benchmarks/warmup.py --out "$OUT/warmup/warmup_h200.json" --workdir /tmp/warmup_bench \
+        ${WARMUP_ARGS:-} ;;
     memory)
-      run memory 270 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ;;
+      run memory 270 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
     fsdp1)
       # issue 15's failing setup: devices 1 and a 60 s calibration budget, on a fresh machine
       mkdir -p "$OUT/fsdp1"

@@ -22,7 +22,6 @@ Three parts, each in fresh processes where the process's caches matter:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -64,7 +63,7 @@ def train(args: argparse.Namespace, run: str) -> None:
     model = VideoDiTModule(in_channels=sc["latent_channels"], dim=sc["dim"], num_layers=args.layers,
                            num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"], freq_dim=sc["freq_dim"])
     calibration = CostModelCalibration(num_seq_lens=5, batch_sizes=sc["batch_sizes"], max_tokens=sc["m_mem"],
-                                       warmup=1, repeats=3, time_budget_s=90, m_mem=sc["m_mem"],
+                                       warmup=1, repeats=3, time_budget_s=args.calibration_budget_s, m_mem=sc["m_mem"],
                                        shape_warmup=run == "warm", cache_path=str(work / "calibration_cache.json"),
                                        # a launch-bound toy on a shared CPU can fail the trust check
                                        **({"max_heldout_error": float("inf"), "min_work_correlation": -1.0}
@@ -83,9 +82,11 @@ def train(args: argparse.Namespace, run: str) -> None:
 
 def read_steps(log_dir: Path) -> list[dict]:
     """The monitor's per-rank rows of a one-rank run, one dict per train batch."""
-    with open(log_dir / "balance_per_rank.csv", newline="", encoding="utf-8") as f:
-        return [{k: float(v) for k, v in row.items() if k in ("step", "samples", "seq_len", "load", "step_time_ms")}
-                for row in csv.DictReader(f)]
+    from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv
+
+    cols = read_per_rank_csv(log_dir / CSV_NAME)
+    names = ("step", "samples", "seq_len", "load", "step_time_ms")
+    return [{k: float(cols[k][i, 0]) for k in names} for i in range(cols["step"].shape[0])]
 
 
 def analyse(work: Path, run: str) -> dict:
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revisit", type=int, default=20)
     parser.add_argument("--block-counts", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 8, 16])
     parser.add_argument("--parts", default="training,graph_cache,blocks")
+    parser.add_argument("--calibration-budget-s", type=float, default=30.0,
+                        help="CostModelCalibration.time_budget_s (optional grid points)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # worker: one training run
     args = parser.parse_args(argv)
     if args.run is not None:
@@ -226,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     from _meta import run_meta
 
     doc = run_meta("warmup") | {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "run")}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after every part: a run cut short keeps the parts it finished
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
     parts = args.parts.split(",")
     status = 0
     if "training" in parts:
@@ -234,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["training"] = {}
         for run in ("calibrate", "cold", "warm"):
             cmd = [sys.executable, __file__, "--run", run, "--workdir", args.workdir, "--device", args.device,
-                   "--layers", str(args.layers), "--samples", str(args.samples)] + (["--tiny"] if args.tiny else [])
+                   "--layers", str(args.layers), "--samples", str(args.samples),
+                   "--calibration-budget-s", str(args.calibration_budget_s)] + (["--tiny"] if args.tiny else [])
             begin = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             (work / f"{run}.log").write_text(proc.stdout + proc.stderr)
@@ -252,16 +261,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['first_occurrences_over_5pct']} over 5%; first minus later of the same shape: mean "
                       f"{r['first_minus_later_ms_mean']} ms; warm-up {r['warmup_seconds']:.1f} s "
                       f"(calibration {r['calibration_seconds']:.1f} s, {r['calibration_source']})", flush=True)
+        write()
     if "graph_cache" in parts:
         doc["graph_cache"] = graph_cache(args)
+        write()
         g = doc["graph_cache"]
         print(f"graph cache: {g['shapes']} shapes; first {g['revisited']}: cold {g['cold_ms_median']:.2f} ms, "
               f"revisited after all others {g['revisit_ms_median']:.2f} ms, warm {g['warm_ms_median']:.2f} ms; "
               f"host RSS {g['host_rss_growth_bytes_per_shape'] / 1024:.0f} KiB per shape", flush=True)
     if "blocks" in parts:
         doc["blocks"] = blocks(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write()
     print(f"wrote {args.out}")
     return status
 

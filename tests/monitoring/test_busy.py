@@ -123,8 +123,10 @@ def test_step_profiler_window(one_process_group):
 
 @pytest.mark.cuda
 def test_step_profiler_window_on_cuda_counts_kernels(tmp_path):
-    """Kernels are busy time, an NCCL all_reduce (process group of size 1) is communication; the
-    numbers agree with torch's own FunctionEvents of the same kind of window."""
+    """Kernels are busy time, NCCL kernels communication; the numbers agree with torch's own
+    FunctionEvents of the same kind of window. NCCL launches no kernel for an all_reduce over a
+    group of one (seen on the H200: comm 0.0 ms), so comm is only checked to be a count here; the
+    2-GPU monitor test sees real communication."""
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         x = torch.randn(2048, 2048, device="cuda")
@@ -136,7 +138,7 @@ def test_step_profiler_window_on_cuda_counts_kernels(tmp_path):
         dist.all_reduce(y)
         torch.cuda.synchronize()
         busy_ms, comm_ms = profiler.stop()
-        assert busy_ms > 0 and comm_ms > 0
+        assert busy_ms > 0 and comm_ms >= 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             y = x @ x

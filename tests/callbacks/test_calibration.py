@@ -578,23 +578,24 @@ def test_cached_calibration_still_warms_and_a_resume_says_from_checkpoint(tmp_pa
     assert doc["source"] == "checkpoint" and len(doc["warmed_shapes"]) == 4
 
 
-def test_compiled_regions_are_found_and_get_recompile_room(tmp_path, monkeypatch):
+def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):
     import torch._dynamo.config as dynamo_config
 
     module = VideoDiTModule(**TINY)
     assert compiled_submodules(module) == []
     module.dit.blocks[0].compile(backend="eager", dynamic=True)
     assert compiled_submodules(module) == ["dit.blocks.0"]
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 20)
-    assert raise_recompile_limit(30) == (8, 30 + RECOMPILE_SLACK)
-    assert dynamo_config.recompile_limit == 38 and dynamo_config.accumulated_recompile_limit == 38
-    assert raise_recompile_limit(1) == (38, 38)  # never lowered
+    # dynamo's own patch() restores its config: pytest's monkeypatch deletes entries of it on undo
+    # (pytest 9.2), which breaks every later compile in the process
+    with dynamo_config.patch(recompile_limit=8, accumulated_recompile_limit=20):
+        assert raise_recompile_limit(30) == (8, 30 + RECOMPILE_SLACK)
+        assert dynamo_config.recompile_limit == 38 and dynamo_config.accumulated_recompile_limit == 38
+        assert raise_recompile_limit(1) == (38, 38)  # never lowered
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
-                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
-    _fit_dm(tmp_path, module, [calib], ShapesDataModule())
+    with dynamo_config.patch(recompile_limit=8):
+        calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
+                                     cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+        _fit_dm(tmp_path, module, [calib], ShapesDataModule())
     doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
     # 6 grid points and 4 scheduled shapes, plus the slack
     assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 4 + RECOMPILE_SLACK

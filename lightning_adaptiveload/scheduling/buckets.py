@@ -205,24 +205,28 @@ class BucketTable:
     def format(self) -> str:
         """The budgets in one line, then one aligned line per bucket (S, latent, samples, B, B*S,
         predicted ms of one batch; with a memory plan also k, the blocks checkpointed, and the
-        predicted peak in GiB, marked where it exceeds the plan's budget)."""
+        predicted peak in MiB, marked where it exceeds the plan's budget)."""
         budget = "" if self.m_comp is None else f", m_comp={self.m_comp:.4g} tokens^p, p={self.p:.4g}"
         plan = self.memory_plan
         lines = [f"policy {self.policy}: m_mem={self.m_mem} tokens{budget}, max_seq_len={self.max_seq_len} tokens"]
         if plan is not None:
-            lines.append(f"memory plan: peak <= {plan.budget_bytes / 2**30:.2f} GiB ({plan.max_memory_fraction:g} of "
-                         f"{plan.device_memory_bytes / 2**30:.2f} GiB), k of {plan.num_blocks} blocks checkpointed; "
+            lines.append(f"memory plan: peak <= {_size(plan.budget_bytes)} ({plan.max_memory_fraction:g} of "
+                         f"{_size(plan.device_memory_bytes)}), k of {plan.num_blocks} blocks checkpointed; "
                          f"longest sample that fits: {plan.max_seq_len} tokens")
         header = f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7} {'ms/batch':>9}"
-        lines.append(header + (f" {'k':>4} {'peak GiB':>9}" if plan is not None else ""))
+        lines.append(header + (f" {'k':>4} {'peak MiB':>10}" if plan is not None else ""))
         for row in self.rows():
             shape = "-" if row["latent_shape"] is None else str(row["latent_shape"])
             cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"
             line = (f"{row['seq_len']:>8} {shape:>18} {row['samples']:>8} {row['batch_size']:>5} "
                     f"{row['batch_size'] * row['seq_len']:>7} {cost:>9}")
             if plan is not None:
-                line += f" {row['checkpointed']:>4} {row['peak_bytes'] / 2**30:>9.2f}"
+                line += f" {row['checkpointed']:>4} {row['peak_bytes'] / 2**20:>10.1f}"
                 if row["peak_bytes"] > plan.budget_bytes:
                     line += "  over budget"
             lines.append(line)
         return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

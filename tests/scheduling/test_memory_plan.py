@@ -81,9 +81,12 @@ def test_bucket_table_under_a_memory_plan(seed, policy):
     assert [r["checkpointed"] for r in rows] == table.checkpointed.tolist() == doc["checkpointed"]
     assert doc["memory_plan"]["budget_bytes"] == pytest.approx(plan.budget_bytes)
     lines = table.format().splitlines()
-    assert lines[1].startswith("memory plan: peak <=") and lines[2].split()[-3:] == ["k", "peak", "GiB"]
-    first = lines[3].split()
-    assert first[-2:] == [str(table.checkpointed[0]), f"{table.peak_bytes[0] / 2**30:.2f}"] or "over budget" in lines[3]
+    assert lines[1].startswith(f"memory plan: peak <= {plan.budget_bytes / 2**30:.2f} GiB (0.9 of")
+    assert lines[2].split()[-3:] == ["k", "peak", "MiB"]
+    for line, k, peak in zip(lines[3:], table.checkpointed, table.peak_bytes):
+        over = peak > plan.budget_bytes
+        assert line.split()[-4 if over else -2:][:2] == [str(k), f"{peak / 2**20:.1f}"]
+        assert line.endswith("over budget") == over
 
 
 def test_table_without_a_plan_has_no_depth_and_nothing_fits_is_a_clear_error():

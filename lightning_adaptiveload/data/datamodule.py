@@ -180,8 +180,10 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         tokens) to schedule: the admission bound, lowered to what the memory plan fits, or to m_mem
         under memory_planning while no plan is set."""
         bound = self.max_seq_len
-        if self.memory_plan is not None:  # BucketTable.build explains when not even the shortest sample fits
-            bound = max(1, min(self.memory_plan.max_seq_len, self.memory_plan.max_seq_len if bound is None else bound))
+        if self.memory_plan is not None:  # (a clear error when not even the shortest sample fits)
+            plan = self.memory_plan
+            bound = plan.limit_seq_len(plan.max_seq_len if bound is None else bound,
+                                       int(self.mix.tokens.min()) if self.mix is not None else 1)
         elif self.memory_planning:
             bound = self.m_mem if bound is None else min(bound, self.m_mem)
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,

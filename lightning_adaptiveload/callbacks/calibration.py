@@ -191,9 +191,13 @@ class CostModelCalibration(Callback):
                                + "; ".join(self.distrust_reasons) + f"); training falls back to the "
                                f"{FALLBACK_POLICY} policy with "
                                + (f"M_mem = {self.measured_m_mem}" if self.measured_m_mem else "the DataModule's M_mem")
-                               + " and no cost model; nothing is cached. "
-                               "Calibrate on a quiet machine or widen the grid (docs/cost_model.md).")
+                               + " and no cost model"
+                               + (", every block checkpointed" if switch is not None else "")
+                               + "; nothing is cached. Calibrate on a quiet machine or widen the grid "
+                               "(docs/cost_model.md).")
                 datamodule.set_cost_model(None, self.measured_m_mem, policy=FALLBACK_POLICY)
+                if switch is not None:
+                    self.memory_distrust_reasons = ["the cost model is not trusted"] + self.memory_distrust_reasons
             calibration_s = time.perf_counter() - start
             warm_start = time.perf_counter()
             self.warmed_shapes = self._warm(runner, datamodule, switch) if self.shape_warmup else []

@@ -851,3 +851,15 @@ def test_per_bucket_checkpointing_listed_after_calibration_or_reading_another_ke
     with pytest.raises(ValueError, match="reads batch\\['depth'\\]"):
         _fit_dm(tmp_path / "b", VideoDiTModule(**TWO_BLOCKS),
                 [PerBucketCheckpointing(block_classes=[DiTBlock], batch_key="depth"), calib], GridDataModule())
+
+
+def test_an_untrusted_cost_model_keeps_every_block_checkpointed_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(StepRunner, "step", lambda self, batch: 5.0)  # flat: never trusted
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), shape_warmup=False)
+    dm = PlanningDataModule()
+    with pytest.warns(UserWarning, match="falls back to the token_equal policy .* every block checkpointed"):
+        _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS), [PerBucketCheckpointing(block_classes=[DiTBlock]), calib],
+                dm)
+    assert dm.cost_model_calls == [(None, None, "token_equal")] and not hasattr(dm, "memory_plan_calls")
+    assert not calib.memory_plan_used and calib.memory_distrust_reasons[0] == "the cost model is not trusted"

@@ -11,7 +11,7 @@ ALLOWED = {
     "data": {"scheduling"},
     "monitoring": {"scheduling"},
     "calibration": {"scheduling"},
-    "checkpointing": set(),
+    "checkpointing": {"scheduling"},
     "ops": set(),
     "surgery": {"ops"},
     "loss": set(),

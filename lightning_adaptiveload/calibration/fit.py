@@ -6,6 +6,10 @@ step dominated by something other than the batch (a lock, a data wait), or point
 produce fits that look fine on their own points and schedule nonsense. The callback then
 re-measures once with more repeats and, if the fit is still distrusted, falls back to the
 token-equal rule (see docs/cost_model.md, "When calibration is not trusted").
+
+With per-bucket activation checkpointing the same points, measured at two depths, also fit the
+memory model peak(B, S, k) and the time model t(B, S, k) (`fit_memory_models`); when they cannot be
+fitted or the memory model predicts its held-out points badly, training checkpoints every block.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import warnings
 import numpy as np
 from scipy.stats import spearmanr
 
-from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 
 DEFAULT_MAX_HELDOUT_ERROR = 0.15  # 15%: the shipped H200 curve fits to 5% held out (docs/cost_model.md)
 # Spearman rank correlation of time with tokens B*S below which times "do not grow": a launch-bound
@@ -52,3 +57,29 @@ def distrust_reasons(model: CostModel, feasible: list[dict], max_heldout_error: 
             reasons.append(f"step time does not grow with tokens B*S (Spearman rank correlation {rho:.2f} "
                            f"< {min_work_correlation})")
     return reasons
+
+
+def fit_memory_models(points: list[dict], num_blocks: int, base: CostModel, extra_bytes: int,
+                      max_heldout_error: float) -> tuple[MemoryModel | None, DepthCostModel | None, str | None]:
+    """(memory model, time model, None), or (None, None, why not); never raises (rank 0 fits).
+
+    points: the calibration points (those with status "ok" are used), each with "checkpointed" (k);
+    base: the trusted CostModel of the points at k = num_blocks, around which the time model is
+    built; extra_bytes: memory every training step holds that calibration's steps do not (the
+    optimizer state, calibration/memory.py), added to the memory model's m0. The memory model's
+    quality describes the measured peaks (without extra_bytes); a held-out mean relative error above
+    `max_heldout_error` is refused."""
+    ok = [p for p in points if p["status"] == "ok"]
+    try:
+        b, s, k, t, peak = (np.array([p[key] for p in ok], dtype=np.float64)
+                            for key in ("batch_size", "seq_len", "checkpointed", "time_ms", "peak_bytes"))
+        memory = MemoryModel.fit(b, s, k, peak, num_blocks)
+        memory = MemoryModel(memory.form, {**memory.params, "m0": memory.params["m0"] + float(extra_bytes)},
+                             num_blocks, memory.quality)
+        time_model = DepthCostModel.fit(b, s, k, t, num_blocks, base=base)
+    except Exception as e:  # noqa: BLE001 - any error is reported, none escapes rank 0
+        return None, None, f"cannot fit the memory and depth models from {len(ok)} points ({type(e).__name__}: {e})"
+    heldout = memory.quality["heldout_mean_rel_err"]
+    if not heldout <= max_heldout_error:
+        return None, None, f"memory model held-out mean error {heldout:.1%} > {max_heldout_error:.0%}"
+    return memory, time_model, None

@@ -45,11 +45,28 @@ def calibration_grid(seq_lens: list[int], batch_sizes: list[int], max_tokens: in
     return required + sorted(rest, key=lambda p: (p[0] * p[1], p[1]))
 
 
-def predicted_peak_bytes(points: list[dict], b: int, s: int) -> float:
+def predicted_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int | None = None) -> float:
     """Peak memory (bytes) of (b, s) extrapolated linearly in B through the two largest measured
-    batch sizes at the same S; 0 when fewer than two were measured (nothing to extrapolate)."""
-    same_s = sorted((p["batch_size"], p["peak_bytes"]) for p in points if p["seq_len"] == s and p["status"] == "ok")
+    batch sizes at the same S and checkpointing depth (points without "checkpointed" count as None);
+    0 when fewer than two were measured (nothing to extrapolate)."""
+    same_s = sorted((p["batch_size"], p["peak_bytes"]) for p in points
+                    if p["seq_len"] == s and p["status"] == "ok" and p.get("checkpointed") == checkpointed)
     if len(same_s) < 2:
         return 0.0
     (b0, m0), (b1, m1) = same_s[-2:]
     return m1 + (m1 - m0) / (b1 - b0) * (b - b1)
+
+
+def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int, full: int) -> float:
+    """Peak memory (bytes) of (b, s) at depth `checkpointed`: its measured peak at depth `full` plus
+    B*S times the largest extra bytes per token that the un-checkpointed blocks took in the pairs
+    measured at both depths so far (memory beyond a checkpointed block's input grows with the
+    tokens); 0 when no pair or no measurement at `full` exists yet."""
+    peaks = {(p["batch_size"], p["seq_len"], p.get("checkpointed")): p["peak_bytes"] for p in points
+             if p["status"] == "ok"}
+    base = peaks.get((b, s, full))
+    per_token = [(peak - peaks[(pb, ps, full)]) / (pb * ps) for (pb, ps, k), peak in peaks.items()
+                 if k == checkpointed and (pb, ps, full) in peaks]
+    if base is None or not per_token:
+        return 0.0
+    return base + max(per_token) * b * s

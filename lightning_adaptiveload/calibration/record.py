@@ -20,7 +20,7 @@ import torch
 from lightning_adaptiveload._validation import is_positive_number
 
 FORMAT = "adaptiveload.calibration"
-VERSION = 2
+VERSION = 3  # 3: every point has "checkpointed" (k, or null without PerBucketCheckpointing)
 # ok: measured; oom: out of memory on some rank; predicted_oom: not run (CUDA memory forecast);
 # skipped_oom: a point no larger in B and S did not fit; skipped_budget: time budget spent.
 STATUSES = ("ok", "oom", "predicted_oom", "skipped_oom", "skipped_budget")
@@ -65,7 +65,8 @@ def read_cache(path: Path, key: dict) -> dict | None:
         return None
     for p in doc["points"]:
         if not (isinstance(p, dict) and isinstance(p.get("batch_size"), int) and isinstance(p.get("seq_len"), int)
-                and p.get("status") in STATUSES):
+                and p.get("status") in STATUSES and "checkpointed" in p
+                and (p["checkpointed"] is None or isinstance(p["checkpointed"], int))):
             return None
         if p["status"] == "ok" and not (is_positive_number(p.get("time_ms")) and isinstance(p.get("peak_bytes"), int)):
             return None

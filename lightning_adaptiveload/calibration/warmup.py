@@ -11,46 +11,54 @@ warmed shape stays warm for the life of the process.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import ContextManager
 
 from lightning_adaptiveload.calibration.runner import StepRunner
-
-# A scheduled batch: (batch size, latent (T, H, W), batches of it per epoch over all ranks).
-ScheduledShape = tuple[int, tuple[int, int, int], int]
+from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 
 
 def warm_shapes(runner: StepRunner, batch_fn: Callable[[tuple[int, int, int], int], dict],
-                shapes: list[ScheduledShape], budget_s: float,
-                predict_ms: Callable[[int, tuple[int, int, int]], float] | None = None,
-                progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Run one forward + backward of `batch_fn(latent_shape, batch_size)` per entry of `shapes`,
-    most frequent first, until `budget_s` seconds are spent (decided on every rank together).
+                shapes: Iterable[tuple], budget_s: float,
+                predict: Callable[[ScheduledShape], dict] | None = None,
+                progress: Callable[[str], None] | None = None,
+                at_depth: Callable[[int | None], ContextManager] | None = None) -> list[dict]:
+    """Run one forward + backward of `batch_fn(latent_shape, batch_size)` per entry of `shapes`
+    (ScheduledShape, or a plain tuple of its first three or four fields), most frequent first, until
+    `budget_s` seconds are spent (decided on every rank together). `at_depth(k)` is entered around
+    each step with the shape's checkpointing depth (None: no memory plan), so the step runs as
+    training will run it.
 
-    Returns one entry per shape: batch_size, latent_shape, batches_per_epoch, status ("warmed",
-    "oom": the scheduled batch does not fit in memory, "skipped_budget": left cold), and for warmed
-    ones cold_ms (the first step's time, the maximum over ranks), peak_bytes and, with
-    `predict_ms`, predicted_ms (the cost model's warm time) so cold_ms - predicted_ms estimates
-    what the first occurrence would have cost training.
+    Returns one entry per shape: batch_size, latent_shape, batches_per_epoch, checkpointed, status
+    ("warmed", "oom": the scheduled batch does not fit in memory, "skipped_budget": left cold), and
+    for warmed ones cold_ms (the first step's time, the maximum over ranks), peak_bytes and the
+    fields `predict(shape)` returns (e.g. predicted_ms, the cost model's warm time, so cold_ms -
+    predicted_ms estimates what the first occurrence would have cost training).
     """
-    order = sorted(shapes, key=lambda x: (-x[2], x[0], tuple(x[1])))
+    order = sorted((ScheduledShape(*entry) for entry in shapes), key=lambda x: (-x[2], x[0], tuple(x[1])))
     start = time.perf_counter()
     results = []
-    for i, (batch_size, thw, count) in enumerate(order):
-        entry = {"batch_size": int(batch_size), "latent_shape": [int(v) for v in thw],
-                 "batches_per_epoch": int(count)}
+    for i, shape in enumerate(order):
+        batch_size, thw, count, depth = int(shape.batch_size), tuple(int(v) for v in shape.latent_shape), \
+            int(shape.batches_per_epoch), shape.checkpointed
+        entry = {"batch_size": batch_size, "latent_shape": list(thw), "batches_per_epoch": count,
+                 "checkpointed": None if depth is None else int(depth)}
         if runner.agree(time.perf_counter() - start > budget_s):
             entry["status"] = "skipped_budget"
         else:
-            measured = runner.measure(lambda: batch_fn(tuple(thw), int(batch_size)), warmup=0, repeats=1)
+            with at_depth(depth) if at_depth is not None else contextlib.nullcontext():
+                measured = runner.measure(lambda: batch_fn(thw, batch_size), warmup=0, repeats=1)
             if measured["status"] == "oom":
                 entry["status"] = "oom"
             else:
                 entry.update(status="warmed", cold_ms=measured["time_ms"], peak_bytes=measured["peak_bytes"])
-                if predict_ms is not None:
-                    entry["predicted_ms"] = float(predict_ms(int(batch_size), tuple(thw)))
+                if predict is not None:
+                    entry.update(predict(ScheduledShape(batch_size, thw, count, depth)))
         results.append(entry)
         if progress is not None:
-            progress(f"warm-up {i + 1}/{len(order)}: B={batch_size} latent {tuple(thw)} "
+            progress(f"warm-up {i + 1}/{len(order)}: B={batch_size} latent {thw}"
+                     + ("" if depth is None else f" k={depth}") + " "
                      + (f"{entry['cold_ms']:.1f} ms" if entry["status"] == "warmed" else entry["status"]))
     return results

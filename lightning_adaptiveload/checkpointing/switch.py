@@ -37,7 +37,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-BATCH_KEY = "ac_blocks"  # batch entry: how many blocks the step checkpoints (an int; absent = all)
+# BATCH_KEY: the batch entry saying how many blocks the step checkpoints (an int; absent = all),
+# which the DataModule writes under a memory plan
+from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY as BATCH_KEY
+
 _STATE = "_adaptiveload_checkpointing"
 
 

@@ -12,7 +12,8 @@ sources, chosen at setup:
   streaming stage, with a fixed `steps_per_epoch`.
 
 Batch dict (see docs/data.md): latents (B, C, T, H, W) float32, text (B, L, D_text) float32,
-seq_len int (tokens per sample), latent_shape (T, H, W), keys list[str].
+seq_len int (tokens per sample), latent_shape (T, H, W), keys list[str], and under a memory plan
+ac_blocks int (blocks to checkpoint, for PerBucketCheckpointing; docs/memory.md).
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ from lightning_adaptiveload.data.shards import (SKIPPED_KEY, raise_if_any_batch_
                                                 write_synthetic_shards)
 from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
 from lightning_adaptiveload.data.webdataset_stream import StreamingSource
-from lightning_adaptiveload.scheduling.buckets import OVERSIZE, BucketTable, schedule_keys
-from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
+from lightning_adaptiveload.scheduling.buckets import NO_DEPTH, OVERSIZE, BucketTable, ScheduledShape, schedule_keys
+from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, load_cost_model
+from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
@@ -51,11 +54,21 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         shards: tar paths / brace pattern / folder, or a list of them.
         index: JSONL index from `adaptiveload index` -> map-style path; None -> streaming path.
         policy: "token_equal" | "dual_constraint" | "balanced".
-        m_mem: memory budget, tokens per batch (B*S <= m_mem).
+        m_mem: memory budget, tokens per batch (B*S <= m_mem); under a memory plan the token cap of
+            balanced batches (a sample longer than it runs at B = 1).
         m_comp, p: compute budget B*S^p <= m_comp; derived from the cost model when None.
         cost_model: path of a fitted cost-model JSON or a measurements JSON (or set later by
             `set_cost_model`, e.g. by the calibration callback).
-        max_seq_len: longest sample in tokens (default m_mem); longer ones are dropped or resized.
+        max_seq_len: longest sample in tokens (default m_mem; with memory_planning, no bound);
+            longer ones are dropped or resized.
+        memory_planning: plan batches with measured memory (docs/memory.md): CostModelCalibration,
+            with PerBucketCheckpointing among the callbacks, hands over a memory plan
+            (`set_memory_plan`); then balanced batches get each bucket's (B, k) from it, every batch
+            carries "ac_blocks", and a sample longer than m_mem is trained at B = 1 when it fits the
+            device with every block checkpointed. Samples are admitted at setup up to max_seq_len
+            (None: all); the plan leaves out, counted, only those that fit the device nowhere. Until
+            a plan is set (or if calibration cannot fit one), samples longer than m_mem are left out
+            of the schedule, counted, as without this flag.
         oversize: "drop" | "resize" (H, W scaled down keeping aspect, then T cropped if needed).
         vae_stride_t, vae_stride_s, patch, extra_tokens: TokenSpec (tokens of a latent use only
             patch and extra_tokens; the strides map pixel shapes of a shapes file).
@@ -86,17 +99,23 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  shuffle_buffer: int = 64, max_buffer_samples: int = 4096, max_buffer_bytes: int = 1 << 30,
                  shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0,
-                 index_cache: bool = True, drop_last: bool = True):
+                 index_cache: bool = True, drop_last: bool = True, memory_planning: bool = False):
         super().__init__()
         require_choice("policy", policy, POLICIES)
         require_choice("oversize", oversize, OVERSIZE)
+        if memory_planning and max_seq_len is None and oversize == "resize":
+            raise ValueError("oversize='resize' resizes samples to max_seq_len: with memory_planning give max_seq_len "
+                             "(tokens), or use oversize='drop' and let the memory plan decide which samples fit")
         for name, value in (("m_mem", m_mem), ("latent_channels", latent_channels), ("text_len", text_len),
                             ("text_dim", text_dim)):
             require_int(name, value)
         self.save_hyperparameters()
         self.shards, self.index_path, self.policy = shards, index, policy
         self.m_mem, self.m_comp, self.p = int(m_mem), m_comp, p
-        self.max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
+        self.memory_planning = bool(memory_planning)
+        # admission bound at setup; None (memory planning): every sample, the memory plan decides
+        self.max_seq_len: int | None = (None if memory_planning else int(m_mem)) if max_seq_len is None \
+            else require_int("max_seq_len (tokens)", max_seq_len)
         self.oversize = oversize
         self.spec = TokenSpec(vae_stride_t, vae_stride_s, tuple(patch), extra_tokens)
         self.latent_channels, self.text_len, self.text_dim = latent_channels, text_len, text_dim
@@ -107,6 +126,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.synthesize_latent_scale = synthesize_latent_scale
         self.index_cache, self.drop_last = index_cache, bool(drop_last)
         self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
+        self.memory_plan: MemoryPlan | None = None  # set_memory_plan
         self.skipped: Counter = Counter()  # reason -> samples skipped on this rank, setup and stream
         self.source: MapStyleSource | StreamingSource | None = None
         self.mix: ShapeMix | None = None  # the shapes found at setup, one row per distinct shape
@@ -156,8 +176,18 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
     # -- bucket table, cost model --
 
     def _scheduling(self) -> dict:
+        """What the bucket table and the sources plan with; max_seq_len is the longest sample (true
+        tokens) to schedule: the admission bound, lowered to what the memory plan fits, or to m_mem
+        under memory_planning while no plan is set."""
+        bound = self.max_seq_len
+        if self.memory_plan is not None:  # (a clear error when not even the shortest sample fits)
+            plan = self.memory_plan
+            bound = plan.limit_seq_len(plan.max_seq_len if bound is None else bound,
+                                       int(self.mix.tokens.min()) if self.mix is not None else 1)
+        elif self.memory_planning:
+            bound = self.m_mem if bound is None else min(bound, self.m_mem)
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
-                "cost_model": self.cost_model}
+                "cost_model": self.cost_model, "memory_plan": self.memory_plan, "max_seq_len": bound}
 
     def bucket_seq_lens(self) -> np.ndarray:
         """(K,) int64 distinct scheduled token counts, ascending (after setup)."""
@@ -170,40 +200,75 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         index's (map-style) or the shapes mix's weights or probed samples (streaming)."""
         if self.mix is None:
             raise RuntimeError("bucket_table() needs setup() first")
-        return BucketTable.build(self.mix.tokens, self.mix.counts, self.mix.latent_thw, **self._scheduling(),
-                                 max_seq_len=self.max_seq_len)
+        return BucketTable.build(self.mix.tokens, self.mix.counts, self.mix.latent_thw, **self._scheduling())
 
     def set_cost_model(self, cost_model: CostModel | None, m_mem: int | None = None, policy: str | None = None) -> None:
-        """Use `cost_model` (and `m_mem`, tokens; `policy`) for batch sizes from now on; call before
-        the train loader is built (the calibration callback does, in on_fit_start; it passes
-        cost_model=None and policy="token_equal" when its fit is not trusted)."""
+        """Use `cost_model` (and `m_mem`, tokens; `policy`) for batch sizes from now on, without a
+        memory plan (call set_memory_plan after it for one); call before the train loader is built
+        (the calibration callback does, in on_fit_start; it passes cost_model=None and
+        policy="token_equal" when its fit is not trusted)."""
         if policy is not None:
             self.policy = require_choice("policy", policy, POLICIES)
         if cost_model is None and self.policy != "token_equal" and (self.m_comp is None or self.p is None):
             raise ValueError(f"policy {self.policy!r} needs a cost model (or m_comp and p)")
         self.cost_model = cost_model
+        self.memory_plan = None
         if m_mem is not None:
             self.m_mem = require_int("m_mem", m_mem)
-        if self._key_shape and max(self._key_shape) > self.m_mem:
+        if not self.memory_planning and self._key_shape and max(self._key_shape) > self.m_mem:
             # Samples were admitted at setup under max_seq_len; the new memory budget is lower.
             log.warning("adaptiveload data: m_mem is now %d tokens but buckets up to %d tokens are scheduled "
                         "(max_seq_len %d); they run at batch size 1 and may not fit in memory. Set max_seq_len "
                         "<= m_mem to drop or resize them.", self.m_mem, max(self._key_shape), self.max_seq_len)
 
-    def scheduled_batch_shapes(self) -> list[tuple[int, tuple[int, int, int], int]]:
+    def set_memory_plan(self, cost_model: DepthCostModel, memory_model: MemoryModel, device_memory_bytes: float,
+                        max_memory_fraction: float = 0.85) -> None:
+        """Plan with measured memory from now on (docs/memory.md): `cost_model` (t(B, S, k) ms; its
+        base, the time at k = L, becomes `self.cost_model`) and `memory_model` (peak bytes), the
+        device's memory (bytes, one rank) and the share of it a step may be predicted to use. Policy
+        balanced then takes each bucket's (B, k) from `choose_batch_and_depth` with m_mem as the token
+        cap; every batch carries its bucket's k as "ac_blocks"; samples that fit the device nowhere are
+        left out, counted. Call before the train loader is built (CostModelCalibration does)."""
+        if not isinstance(cost_model, DepthCostModel):
+            raise ValueError(f"set_memory_plan needs a DepthCostModel (step time with a checkpointing depth), got "
+                             f"{type(cost_model).__name__}")
+        plan = MemoryPlan(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
+        self.cost_model, self.memory_plan = cost_model.base, plan
+        if self.mix is not None:
+            longest = plan.max_seq_len
+            unfit = int(self.mix.counts[self.mix.tokens > longest].sum())
+            if unfit:
+                log.warning("adaptiveload data: %d admitted samples are longer than %d tokens, the longest that fits "
+                            "the device at B = 1 with all %d blocks checkpointed (predicted peak <= %.2f GiB); they "
+                            "are left out of the schedule (counted)", unfit, longest, plan.num_blocks,
+                            plan.budget_bytes / 2**30)
+
+    def scheduled_batch_shapes(self) -> list[ScheduledShape]:
         """Every (batch size, latent (T, H, W)) training can schedule, with its number of batches
-        per epoch over all ranks: on the map-style path from this epoch's plan for the trainer's
-        world size (full batches of every bucket, and this epoch's partial ones); on the streaming
-        path the full batch of every planned bucket, weighted by its expected count."""
+        per epoch over all ranks and its depth k (None without a memory plan): on the map-style path
+        from this epoch's plan for the trainer's world size (full batches of every bucket, and this
+        epoch's partial ones); on the streaming path the full batch of every planned bucket,
+        weighted by its expected count."""
         world = self.trainer.world_size if self.trainer is not None else 1
         if isinstance(self.source, MapStyleSource):
-            plan = self.build_sampler(world, 0).plan()
+            sampler = self.build_sampler(world, 0)
+            plan, table = sampler.plan(), sampler.bucket_table
+            depth = dict(zip(table.seq_len.tolist(), table.checkpointed.tolist()))
             ids = plan.steps.ravel()
             pairs, counts = np.unique(np.column_stack([plan.batch_len[ids], plan.batch_seq_len[ids]]), axis=0,
                                       return_counts=True)
-            return [(int(b), self._key_shape[int(s)], int(n)) for (b, s), n in zip(pairs, counts)]
-        return [(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])))
+            return [ScheduledShape(int(b), self._key_shape[int(s)], int(n), _depth_or_none(depth[int(s)]))
+                    for (b, s), n in zip(pairs, counts)]
+        return [ScheduledShape(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])),
+                               row["checkpointed"])
                 for row in self.bucket_table().rows()]
+
+    def _depth_of_shape(self) -> dict[tuple[int, int, int], int] | None:
+        """latent (T, H, W) -> k of its bucket under the memory plan (None without one): what each
+        batch carries as "ac_blocks"."""
+        if self.memory_plan is None:
+            return None
+        return {row["latent_shape"]: row["checkpointed"] for row in self.bucket_table().rows()}
 
     # -- batches --
 
@@ -238,6 +303,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         if num_replicas is None or rank is None:
             num_replicas, rank = world_size_and_rank()
         self._train_loader = self.source.train_loader(self._scheduling(), num_replicas, rank, epoch_fn)
+        self._train_loader.depth_of_shape = self._depth_of_shape()
         return self._train_loader
 
     def train_dataloader(self) -> TrainLoader:
@@ -277,3 +343,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             self._count_skipped(batch.pop(SKIPPED_KEY), where="the train stream")
             raise_if_any_batch_failed(batch, self.trainer.strategy if self.trainer is not None else None)
         return batch
+
+
+def _depth_or_none(k: int) -> int | None:
+    return None if k == NO_DEPTH else int(k)

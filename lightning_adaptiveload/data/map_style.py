@@ -141,11 +141,19 @@ class MapStyleSource:
 
     def sampler(self, scheduling: dict, num_replicas: int | None = None, rank: int | None = None
                 ) -> BucketBatchSampler:
-        """The batch sampler of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model)."""
+        """The batch sampler of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model,
+        memory_plan, and max_seq_len: the longest sample to schedule, true tokens)."""
+        scheduling = dict(scheduling)
         keys = self.sample_keys()
-        # max_seq_len: samples were admitted at setup; keys sit above true tokens by collision offsets
+        # The sampler compares bucket keys, which sit above true tokens by collision offsets; keys grow
+        # with true tokens, so the largest key of a sample within the bound separates the two.
+        tokens = self._rows.tokens[self._row_of_sample]
+        within = tokens <= scheduling.pop("max_seq_len")
+        if not within.any():
+            raise ValueError(f"every sample is longer than the longest one scheduled ({int(tokens.min())} tokens and "
+                             f"more); raise m_mem or max_seq_len")
         return BucketBatchSampler(keys, **scheduling, num_replicas=num_replicas, rank=rank, seed=self.seed,
-                                  drop_last=self.drop_last, max_seq_len=int(keys.max()),
+                                  drop_last=self.drop_last, max_seq_len=int(keys[within].max()),
                                   dataset_fingerprint=index_fingerprint(self.dataset.index, keys))
 
     def train_loader(self, scheduling: dict, num_replicas: int | None, rank: int | None,

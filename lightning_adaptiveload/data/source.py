@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.data.collate import collate_samples
 from lightning_adaptiveload.data.shards import check_config, decode_sample
+from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 # Samples an epoch leaves out, per reason (EpochPlan.stats keys; docs/data.md explains each).
@@ -26,14 +27,14 @@ DROP_COUNTERS = ("dropped_oversize", "dropped_partial_batch", "dropped_step_rema
 @dataclass(frozen=True)
 class SampleConfig:
     """What a valid sample is in this run: token spec, C of every latent, (L, D_text) of the
-    batch's text, longest sample (tokens) and what happens to longer ones ("drop" or "resize").
-    Picklable, so DataLoader workers (also spawned ones) get it whole."""
+    batch's text, longest sample (tokens; None: no bound) and what happens to longer ones ("drop"
+    or "resize"). Picklable, so DataLoader workers (also spawned ones) get it whole."""
 
     spec: TokenSpec
     latent_channels: int
     text_len: int
     text_dim: int
-    max_seq_len: int
+    max_seq_len: int | None
     oversize: str
 
     def check(self, key: str, channels: int, thw: tuple[int, int, int], text_dim_found: int | None
@@ -64,6 +65,9 @@ class TrainLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.epoch_fn = epoch_fn
         self.steps_taken = 0  # batches of this epoch handed out (workers may have prefetched more)
+        # latent (T, H, W) -> blocks to checkpoint (the bucket's k under a memory plan), put into each
+        # batch as DEPTH_BATCH_KEY; a shape not listed (or None) leaves the key out: every block
+        self.depth_of_shape: dict[tuple[int, int, int], int] | None = None
 
     def _start_epoch(self, epoch: int | None) -> int:
         """Move to `epoch` (None: keep the current one); return the steps of it already taken."""
@@ -78,8 +82,13 @@ class TrainLoader(DataLoader):
 
     def __iter__(self):
         self.steps_taken = self._start_epoch(self.epoch_fn() if self.epoch_fn is not None else None)
+        depths = self.depth_of_shape
         for batch in super().__iter__():
             self.steps_taken += 1
+            if depths and "latent_shape" in batch:
+                k = depths.get(tuple(int(v) for v in batch["latent_shape"]))
+                if k is not None:
+                    batch[DEPTH_BATCH_KEY] = k
             yield batch
         self._end_epoch()
 

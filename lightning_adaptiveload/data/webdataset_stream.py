@@ -71,15 +71,17 @@ class StreamingLatentDataset(IterableDataset):
     """Batches (already collated by `collate`) of one rank; `len()` is steps_per_epoch.
 
     keys: latent (T, H, W) -> scheduled token count of the shapes the schedule knows; decode:
-    (key, member bytes) -> sample dict, raising BadSample. Skip counts of this worker since its
-    previous batch travel in each batch ("skipped"); `steps_done` (set by the loader from a
-    checkpoint) shortens the current epoch."""
+    (key, member bytes) -> sample dict, raising BadSample. max_tokens: longest sample scheduled
+    (true tokens; decoding admits up to max_seq_len, which a memory plan may lower): longer ones are
+    skipped as "over_max_seq_len". Skip counts of this worker since its previous batch travel in each
+    batch ("skipped"); `steps_done` (set by the loader from a checkpoint) shortens the current
+    epoch."""
 
     def __init__(self, shards: list[str], schedule: StreamSchedule, *, keys: dict[tuple, int],
                  decode: Callable[[str, dict[str, bytes]], dict], collate: Callable[[list[dict]], dict],
                  steps_per_epoch: int, rank: int, world_size: int, seed: int, shuffle_buffer: int,
-                 max_buffer_samples: int, max_buffer_bytes: int):
-        self.shards, self.schedule, self.keys = shards, schedule, keys
+                 max_buffer_samples: int, max_buffer_bytes: int, max_tokens: int | None = None):
+        self.shards, self.schedule, self.keys, self.max_tokens = shards, schedule, keys, max_tokens
         self._planned_keys = set(keys.values())
         self.decode, self.collate = decode, collate
         self.steps_per_epoch, self.rank, self.world_size, self.seed = steps_per_epoch, rank, world_size, seed
@@ -110,6 +112,9 @@ class StreamingLatentDataset(IterableDataset):
                 skipped[e.reason] += 1
                 continue
             progress["valid"] += 1
+            if self.max_tokens is not None and out["seq_len"] > self.max_tokens:
+                skipped["over_max_seq_len"] += 1
+                continue
             out["tokens"] = out["seq_len"]
             out["seq_len"] = self.schedule_key(out["latent_shape"], out["tokens"])  # what the batcher buckets by
             yield out
@@ -232,7 +237,7 @@ class StreamingSource:
                     continue
                 rows.append((*thw, tokens, int(count)))
             if not rows:
-                raise ValueError(f"no shape of {self.mix_file!r} fits max_seq_len={self.config.max_seq_len}")
+                raise ValueError(f"no shape of {self.mix_file!r} fits max_seq_len={self.config.max_seq_len} tokens")
         else:
             rows = [(*thw, tokens, n) for (thw, tokens), n in Counter(probed).items()]
         rows = np.asarray(rows, dtype=np.int64)
@@ -265,16 +270,19 @@ class StreamingSource:
         return found, skipped
 
     def build_dataset(self, scheduling: dict, num_replicas: int = 1, rank: int = 0) -> StreamingLatentDataset:
-        """The streaming dataset of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model)."""
+        """The streaming dataset of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model,
+        memory_plan, and max_seq_len: the longest sample to schedule, true tokens)."""
+        scheduling = dict(scheduling)
+        max_tokens = scheduling.pop("max_seq_len")
         row_keys = schedule_keys(self._rows.latent_thw, self._rows.tokens)
         seq_lens, first = np.unique(row_keys, return_index=True)
         counts = np.zeros(len(seq_lens), dtype=np.int64)
         np.add.at(counts, np.searchsorted(seq_lens, row_keys), self._rows.counts)
         mix = ShapeMix(tokens=seq_lens, counts=counts, latent_thw=self._rows.latent_thw[first])
-        # True tokens are checked against max_seq_len when decoding; keys may sit above it by at
+        # True tokens are checked against max_tokens after decoding; keys may sit above them by at
         # most the number of planned keys (collision offsets), which the batcher must accept.
         schedule = make_stream_schedule(mix, **scheduling,
-                                        max_seq_len=max(self.config.max_seq_len, int(seq_lens[-1])) + len(seq_lens))
+                                        max_seq_len=max(max_tokens, int(seq_lens[-1])) + len(seq_lens))
         keys = {tuple(int(v) for v in thw): int(k) for thw, k in zip(self._rows.latent_thw, row_keys)}
         readers = num_replicas * max(1, self.num_workers)
         per_reader, rest = divmod(len(self.shard_paths), readers)
@@ -288,7 +296,7 @@ class StreamingSource:
                                       collate=self.config.collate, steps_per_epoch=self.steps_per_epoch, rank=rank,
                                       world_size=num_replicas, seed=self.seed, shuffle_buffer=self.shuffle_buffer,
                                       max_buffer_samples=self.max_buffer_samples,
-                                      max_buffer_bytes=self.max_buffer_bytes)
+                                      max_buffer_bytes=self.max_buffer_bytes, max_tokens=max_tokens)
 
     def train_loader(self, scheduling: dict, num_replicas: int, rank: int,
                      epoch_fn: Callable[[], int] | None = None) -> StreamingLoader:

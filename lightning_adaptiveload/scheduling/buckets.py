@@ -4,15 +4,18 @@ A bucket is one scheduled token count. `schedule_keys` gives every distinct late
 count (a batch must hold one shape); `assign_buckets` maps per-sample token counts to buckets for
 the epoch plan; `BucketTable.build` is the single place that turns shapes, tokens and counts into
 the per-bucket batch size and predicted cost under a policy (used by the sampler, the
-DataModule, the streaming schedule, `adaptiveload plan` and calibration's printed table).
+DataModule, the streaming schedule, `adaptiveload plan` and calibration's printed table); with a
+`MemoryPlan` it also holds each bucket's checkpointing depth k and predicted peak memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from lightning_adaptiveload._validation import require_choice, require_int
+from lightning_adaptiveload.scheduling.depth_choice import BucketDepthCosts, MemoryPlan
 from lightning_adaptiveload.scheduling.policies import batch_sizes, resolve_compute_budget
 
 OVERSIZE = ("drop", "resize")
@@ -55,6 +58,20 @@ def assign_buckets(seq_lens: np.ndarray, max_seq_len: int, oversize: str = "drop
     return bucket_of, bucket_seq_len
 
 
+class ScheduledShape(NamedTuple):
+    """One batch shape a plan schedules: batch size, latent (T, H, W), how many batches of it an epoch
+    runs over all ranks, and how many blocks its steps checkpoint (None: no memory plan, the run's
+    own checkpointing)."""
+
+    batch_size: int
+    latent_shape: tuple[int, int, int]
+    batches_per_epoch: int
+    checkpointed: int | None = None
+
+
+NO_DEPTH = -1  # BucketTable.checkpointed without a memory plan: the run's own checkpointing
+
+
 @dataclass(frozen=True, eq=False)
 class BucketTable:
     """One row per scheduled bucket, ascending by seq_len (numpy columns of equal length K).
@@ -63,10 +80,16 @@ class BucketTable:
     latent_thw: (K, 3) int64 latent (T, H, W), -1 where only tokens are known;
     samples: (K,) int64 samples in the bucket (or the shapes mix's weight);
     batch_size: (K,) int64 batch size under `policy`;
-    cost_ms: (K,) float64 predicted step time of one full batch (cost model ms), NaN without a model.
+    cost_ms: (K,) float64 predicted step time of one full batch (cost model ms, at the bucket's k
+    with a memory plan), NaN without a model;
+    checkpointed: (K,) int64 blocks a step of the bucket checkpoints (k), NO_DEPTH (-1) without a
+    memory plan; peak_bytes: (K,) float64 predicted peak memory of a full batch, NaN without one.
     policy, m_mem (tokens), m_comp (tokens^p), p, max_seq_len (tokens): what the sizes were computed
-    under (m_comp and p are None for token_equal). Rows longer than max_seq_len are not scheduled
-    and not in the table; the epoch plan counts them (`dropped_oversize`).
+    under (m_comp and p are None for token_equal, and for balanced under a memory plan, whose batch
+    sizes come from the memory and time models). memory_plan: the MemoryPlan or None. Rows longer
+    than max_seq_len are not scheduled and not in the table; under a memory plan max_seq_len is at
+    most the longest sample that fits the device (MemoryPlan.max_seq_len); the epoch plan counts
+    them (`dropped_oversize`).
     """
 
     seq_len: np.ndarray
@@ -79,14 +102,25 @@ class BucketTable:
     m_comp: float | None
     p: float | None
     max_seq_len: int
+    checkpointed: np.ndarray
+    peak_bytes: np.ndarray
+    memory_plan: MemoryPlan | None = None
 
     @classmethod
     def build(cls, tokens, counts, latent_thw=None, *, policy: str, m_mem: int, m_comp: float | None = None,
-              p: float | None = None, cost_model=None, max_seq_len: int | None = None) -> "BucketTable":
+              p: float | None = None, cost_model=None, max_seq_len: int | None = None,
+              memory_plan: MemoryPlan | None = None) -> "BucketTable":
         """The table of rows (N,) `tokens` (true tokens per sample) with (N,) `counts` and, where
         known, (N, 3) `latent_thw`: rows above max_seq_len (default m_mem) are left out, the rest
         keyed by `schedule_keys` and summed per key; m_comp and p come from `cost_model` unless given
-        (resolved on the longest scheduled bucket)."""
+        (resolved on the longest scheduled bucket).
+
+        memory_plan: plan with measured memory (docs/memory.md): buckets longer than the longest that
+        fits the device are left out too (max_seq_len lowered to it); policy "balanced" takes each
+        bucket's (B, k) from `memory_plan.choose` with m_mem as the token cap (a bucket longer than
+        m_mem runs at B = 1), and its predicted ms at that k; token_equal and dual_constraint keep
+        their token-budget batch sizes at k = L (every block checkpointed), priced and with their
+        predicted peak (which may exceed the budget: they are the baselines)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         counts = np.asarray(counts, dtype=np.int64).reshape(-1)
         thw = np.full((len(tokens), 3), -1, dtype=np.int64) if latent_thw is None \
@@ -98,6 +132,8 @@ class BucketTable:
             raise ValueError("tokens must be >= 1 and counts >= 0")
         m_mem = require_int("m_mem (tokens per batch)", m_mem)
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
+        if memory_plan is not None:
+            max_seq_len = memory_plan.limit_seq_len(max_seq_len, int(tokens.min()))
         fits = tokens <= max_seq_len
         if not fits.any():
             raise ValueError(f"every shape is longer than max_seq_len={max_seq_len} tokens")
@@ -105,16 +141,37 @@ class BucketTable:
                                             return_inverse=True)
         samples = np.zeros(len(seq_len), dtype=np.int64)
         np.add.at(samples, inverse.reshape(-1), counts[fits])
-        m_comp, p = resolve_compute_budget(policy, m_mem, int(seq_len[-1]), m_comp, p, cost_model)
-        sizes = batch_sizes(seq_len, policy, m_mem, m_comp, p)
-        cost_ms = np.full(len(seq_len), np.nan) if cost_model is None \
-            else np.asarray(cost_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
+        depth = np.full(len(seq_len), NO_DEPTH, dtype=np.int64)
+        peak = np.full(len(seq_len), np.nan)
+        if memory_plan is not None and policy == "balanced":
+            choice = memory_plan.choose(seq_len, max_tokens=m_mem)
+            sizes, depth, peak, cost_ms = choice.batch_size, choice.checkpointed, choice.peak_bytes, choice.time_ms
+            m_comp = p = None
+        else:
+            if cost_model is None and memory_plan is not None:
+                cost_model = memory_plan.cost_model.base
+            m_comp, p = resolve_compute_budget(policy, m_mem, int(seq_len[-1]), m_comp, p, cost_model)
+            sizes = batch_sizes(seq_len, policy, m_mem, m_comp, p)
+            cost_ms = np.full(len(seq_len), np.nan) if cost_model is None \
+                else np.asarray(cost_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
+            if memory_plan is not None:
+                depth = np.full(len(seq_len), memory_plan.num_blocks, dtype=np.int64)
+                peak = np.asarray(memory_plan.memory_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
         return cls(seq_len=seq_len.astype(np.int64), latent_thw=thw[fits][first], samples=samples,
-                   batch_size=sizes, cost_ms=cost_ms, policy=policy, m_mem=m_mem, m_comp=m_comp, p=p,
-                   max_seq_len=max_seq_len)
+                   batch_size=np.asarray(sizes, dtype=np.int64), cost_ms=np.asarray(cost_ms, dtype=np.float64),
+                   policy=policy, m_mem=m_mem, m_comp=m_comp, p=p, max_seq_len=max_seq_len,
+                   checkpointed=np.asarray(depth, dtype=np.int64), peak_bytes=np.asarray(peak, dtype=np.float64),
+                   memory_plan=memory_plan)
 
     def __len__(self) -> int:
         return len(self.seq_len)
+
+    def step_cost_model(self, cost_model=None):
+        """What prices a batch of this table by (B, S) (epoch plan, streaming classes): under a memory
+        plan its time model at each bucket's depth (`BucketDepthCosts`), else `cost_model`."""
+        if self.memory_plan is None:
+            return cost_model
+        return BucketDepthCosts(self.memory_plan.cost_model, self.seq_len, self.checkpointed)
 
     def latent_shape(self, seq_len: int) -> tuple[int, int, int] | None:
         """Latent (T, H, W) of the bucket scheduled at `seq_len` tokens; None if there is no such
@@ -126,29 +183,50 @@ class BucketTable:
 
     def rows(self) -> list[dict]:
         """One dict per bucket: seq_len, latent_shape ((T, H, W) or None), samples, batch_size,
-        cost_ms (None without a cost model)."""
+        cost_ms (None without a cost model), checkpointed and peak_bytes (None without a memory plan)."""
         return [{"seq_len": int(s), "latent_shape": None if thw[0] < 0 else tuple(int(v) for v in thw),
-                 "samples": int(n), "batch_size": int(b), "cost_ms": None if np.isnan(c) else float(c)}
-                for s, thw, n, b, c in zip(self.seq_len, self.latent_thw, self.samples, self.batch_size,
-                                           self.cost_ms)]
+                 "samples": int(n), "batch_size": int(b), "cost_ms": None if np.isnan(c) else float(c),
+                 "checkpointed": None if k == NO_DEPTH else int(k), "peak_bytes": None if np.isnan(m) else float(m)}
+                for s, thw, n, b, c, k, m in zip(self.seq_len, self.latent_thw, self.samples, self.batch_size,
+                                                 self.cost_ms, self.checkpointed, self.peak_bytes)]
 
     def to_dict(self) -> dict:
-        """JSON-ready: the budgets and one list per column (cost_ms null without a cost model)."""
+        """JSON-ready: the budgets and one list per column (null where unknown), and the memory plan's
+        summary (null without one)."""
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
                 "max_seq_len": self.max_seq_len, "seq_len": self.seq_len.tolist(),
                 "latent_thw": self.latent_thw.tolist(), "samples": self.samples.tolist(),
                 "batch_size": self.batch_size.tolist(),
-                "cost_ms": [None if np.isnan(c) else float(c) for c in self.cost_ms]}
+                "cost_ms": [None if np.isnan(c) else float(c) for c in self.cost_ms],
+                "checkpointed": [None if k == NO_DEPTH else int(k) for k in self.checkpointed],
+                "peak_bytes": [None if np.isnan(m) else float(m) for m in self.peak_bytes],
+                "memory_plan": None if self.memory_plan is None else self.memory_plan.summary()}
 
     def format(self) -> str:
         """The budgets in one line, then one aligned line per bucket (S, latent, samples, B, B*S,
-        predicted ms of one batch)."""
+        predicted ms of one batch; with a memory plan also k, the blocks checkpointed, and the
+        predicted peak in MiB, marked where it exceeds the plan's budget)."""
         budget = "" if self.m_comp is None else f", m_comp={self.m_comp:.4g} tokens^p, p={self.p:.4g}"
-        lines = [f"policy {self.policy}: m_mem={self.m_mem} tokens{budget}, max_seq_len={self.max_seq_len} tokens",
-                 f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7} {'ms/batch':>9}"]
+        plan = self.memory_plan
+        lines = [f"policy {self.policy}: m_mem={self.m_mem} tokens{budget}, max_seq_len={self.max_seq_len} tokens"]
+        if plan is not None:
+            lines.append(f"memory plan: peak <= {_size(plan.budget_bytes)} ({plan.max_memory_fraction:g} of "
+                         f"{_size(plan.device_memory_bytes)}), k of {plan.num_blocks} blocks checkpointed; "
+                         f"longest sample that fits: {plan.max_seq_len} tokens")
+        header = f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7} {'ms/batch':>9}"
+        lines.append(header + (f" {'k':>4} {'peak MiB':>10}" if plan is not None else ""))
         for row in self.rows():
             shape = "-" if row["latent_shape"] is None else str(row["latent_shape"])
             cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"
-            lines.append(f"{row['seq_len']:>8} {shape:>18} {row['samples']:>8} {row['batch_size']:>5} "
-                         f"{row['batch_size'] * row['seq_len']:>7} {cost:>9}")
+            line = (f"{row['seq_len']:>8} {shape:>18} {row['samples']:>8} {row['batch_size']:>5} "
+                    f"{row['batch_size'] * row['seq_len']:>7} {cost:>9}")
+            if plan is not None:
+                line += f" {row['checkpointed']:>4} {row['peak_bytes'] / 2**20:>10.1f}"
+                if row["peak_bytes"] > plan.budget_bytes:
+                    line += "  over budget"
+            lines.append(line)
         return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

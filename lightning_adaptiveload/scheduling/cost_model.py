@@ -474,17 +474,20 @@ class DepthCostModel:
 
     @classmethod
     def fit(cls, batch_sizes, seq_lens, checkpointed, times_ms, num_blocks: int,
-            form: str = "auto") -> "DepthCostModel":
+            form: str = "auto", base: CostModel | None = None) -> "DepthCostModel":
         """Fit t_L (CostModel.fit with `form`) to the points at k = num_blocks and g to every point
         at k < num_blocks paired with the points at k = num_blocks of the same (B, S) (median time
-        where several). 1-D arrays of equal length; every point at k < num_blocks needs a partner."""
+        where several). 1-D arrays of equal length; every point at k < num_blocks needs a partner.
+        base: a CostModel already fitted to the points at k = num_blocks (e.g. by calibration, which
+        judges it first); given, t_L is not fitted again and `form` is unused."""
         b, s, t = _check_measurements(batch_sizes, seq_lens, times_ms)
         num_blocks = require_int("num_blocks", num_blocks)
         k = check_depths(checkpointed, num_blocks)
         if k.shape != t.shape:
             raise ValueError(f"checkpointed must have the shape of times_ms {t.shape}, got {k.shape}")
         full = k == num_blocks
-        base = CostModel.fit(b[full], s[full], t[full], form=form)
+        if base is None:
+            base = CostModel.fit(b[full], s[full], t[full], form=form)
         partner = {}
         for bi, si, ti in zip(b[full], s[full], t[full]):
             partner.setdefault((bi, si), []).append(ti)
@@ -519,9 +522,10 @@ class DepthCostModel:
         t = np.asarray(t) * (1.0 - self.recompute_fraction * u)
         return float(t) if np.ndim(t) == 0 else t
 
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON: the base CostModel's document under "base"."""
-        doc = {
+    def to_dict(self) -> dict:
+        """The model as a JSON-ready dict (the document to_json writes): the base CostModel's
+        document under "base"."""
+        return {
             "format": DEPTH_FORMAT,
             "version": DEPTH_VERSION,
             "num_blocks": self.num_blocks,
@@ -529,7 +533,10 @@ class DepthCostModel:
             "quality": _nan_to_none(self.quality),
             "base": self.base.to_dict(),
         }
-        _write_json(path, doc)
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON (to_dict)."""
+        _write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> "DepthCostModel":

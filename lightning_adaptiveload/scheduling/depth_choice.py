@@ -13,15 +13,23 @@ sample that fits the device. A bucket that fits nowhere (not even B = 1 at k = L
 
 Pure numpy; the step-time model is anything with `predict(batch_size, seq_len, checkpointed)`
 (ms, vectorised) and `num_blocks`, e.g. `cost_model.DepthCostModel`.
+
+`MemoryPlan` bundles the two models and the memory budget, the one object the bucket table, the
+sampler and the streaming schedule take to plan with measured memory (docs/memory.md); a batch then
+carries its bucket's k under DEPTH_BATCH_KEY for `PerBucketCheckpointing`.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload._validation import require_int
+
+# Batch entry holding how many of the model's blocks the step checkpoints (a Python int; absent: all).
+DEPTH_BATCH_KEY = "ac_blocks"
 
 # More (bucket, B) candidates than this means a missing bound on B (a model that predicts almost
 # no memory per sample and no cap): ask for max_batch_size rather than allocate without limit.
@@ -80,14 +88,7 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
     if seq_lens.ndim != 1 or seq_lens.size == 0:
         raise ValueError(f"seq_lens must be a non-empty 1-D array, got shape {seq_lens.shape}")
     seq_lens = np.array([require_int("seq_lens[i]", s) for s in seq_lens], dtype=np.int64)
-    if getattr(cost_model, "num_blocks", None) != memory_model.num_blocks:
-        raise ValueError(f"cost_model.num_blocks ({getattr(cost_model, 'num_blocks', None)!r}) must equal "
-                         f"memory_model.num_blocks ({memory_model.num_blocks})")
-    if not (isinstance(device_memory_bytes, (int, float)) and device_memory_bytes > 0):
-        raise ValueError(f"device_memory_bytes must be a number > 0, got {device_memory_bytes!r}")
-    if not (isinstance(max_memory_fraction, (int, float)) and 0 < max_memory_fraction <= 1):
-        raise ValueError(f"max_memory_fraction must be in (0, 1], got {max_memory_fraction!r}")
-    budget = float(device_memory_bytes) * float(max_memory_fraction)
+    budget = _budget(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
     cap = memory_model.max_batch_size(seq_lens, budget)  # largest B that fits at k = L (0: none)
     if max_tokens is not None:
         cap = np.minimum(cap, np.maximum(1, require_int("max_tokens", max_tokens) // seq_lens))
@@ -113,3 +114,99 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
     peak = memory_model.predict(np.maximum(batch, 1), seq_lens, depth)
     return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=depth, peak_bytes=np.asarray(peak),
                        time_ms=time_ms, fits=fits, num_blocks=num_blocks, budget_bytes=budget)
+
+
+def _budget(memory_model: MemoryModel, cost_model, device_memory_bytes: float, max_memory_fraction: float) -> float:
+    """max_memory_fraction * device_memory_bytes after checking both and that the models agree on L."""
+    if getattr(cost_model, "num_blocks", None) != memory_model.num_blocks:
+        raise ValueError(f"cost_model.num_blocks ({getattr(cost_model, 'num_blocks', None)!r}) must equal "
+                         f"memory_model.num_blocks ({memory_model.num_blocks})")
+    if isinstance(device_memory_bytes, bool) or not (isinstance(device_memory_bytes, numbers.Real)
+                                                     and device_memory_bytes > 0):
+        raise ValueError(f"device_memory_bytes must be a number > 0, got {device_memory_bytes!r}")
+    if isinstance(max_memory_fraction, bool) or not (isinstance(max_memory_fraction, numbers.Real)
+                                                     and 0 < max_memory_fraction <= 1):
+        raise ValueError(f"max_memory_fraction must be in (0, 1], got {max_memory_fraction!r}")
+    return float(device_memory_bytes) * float(max_memory_fraction)
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryPlan:
+    """Planning with measured memory: per bucket the (B, k) of `choose_batch_and_depth` (policy
+    "balanced"), and no sample longer than the device allows.
+
+    memory_model: peak bytes of (B, S, k). cost_model: step ms of (B, S, k) with the same num_blocks,
+    a `DepthCostModel` (its `base` CostModel prices steps at k = L for the token-budget policies).
+    device_memory_bytes: one rank's device memory; max_memory_fraction: the share of it a step may be
+    predicted to use (why 0.85 by default: docs/memory.md, "Depth choice")."""
+
+    memory_model: MemoryModel
+    cost_model: object
+    device_memory_bytes: float
+    max_memory_fraction: float = 0.85
+
+    def __post_init__(self):
+        if not isinstance(self.memory_model, MemoryModel):
+            raise ValueError(f"memory_model must be a MemoryModel, got {type(self.memory_model).__name__}")
+        _budget(self.memory_model, self.cost_model, self.device_memory_bytes, self.max_memory_fraction)
+
+    @property
+    def budget_bytes(self) -> float:
+        return float(self.device_memory_bytes) * float(self.max_memory_fraction)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.memory_model.num_blocks
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sample (tokens) that fits at B = 1 with every block checkpointed: a longer one fits
+        no configuration (the peak grows with S, B and the un-checkpointed blocks). 0: none fits."""
+        return self.memory_model.max_seq_len(self.budget_bytes, 1, self.num_blocks)
+
+    def limit_seq_len(self, max_seq_len: int, shortest: int) -> int:
+        """min(max_seq_len, self.max_seq_len): the longest sample to schedule; ValueError if even the
+        shortest sample (tokens) fits no configuration of the device."""
+        fitting = self.max_seq_len
+        if fitting < shortest:
+            raise ValueError(f"no sample fits the device: the shortest ({shortest} tokens) is predicted at "
+                             f"{self.memory_model.predict(1, shortest) / 2**30:.3g} GiB at B = 1 with all "
+                             f"{self.num_blocks} blocks checkpointed, over the budget of "
+                             f"{self.budget_bytes / 2**30:.3g} GiB ({self.max_memory_fraction:g} of the device)")
+        return min(int(max_seq_len), fitting)
+
+    def choose(self, seq_lens, max_tokens: int | None = None) -> DepthChoice:
+        """choose_batch_and_depth of `seq_lens` under this plan's models and budget, with the token cap
+        `max_tokens` (the batches' m_mem: comparable with the token-budget policies' batches)."""
+        return choose_batch_and_depth(seq_lens, self.memory_model, self.cost_model,
+                                      device_memory_bytes=self.device_memory_bytes,
+                                      max_memory_fraction=self.max_memory_fraction, max_tokens=max_tokens)
+
+    def summary(self) -> dict:
+        """JSON-ready: the budget and the block count (the models have their own to_dict)."""
+        return {"device_memory_bytes": float(self.device_memory_bytes),
+                "max_memory_fraction": float(self.max_memory_fraction), "budget_bytes": self.budget_bytes,
+                "num_blocks": self.num_blocks, "max_seq_len": int(self.max_seq_len)}
+
+
+class BucketDepthCosts:
+    """A step-time model of (B, S) alone for code that prices batches without knowing a depth (the
+    balanced epoch plan, the streaming cost classes): a batch of S tokens per sample runs at the k of
+    the bucket scheduled at S, and at k = L (every block checkpointed) if no bucket is."""
+
+    def __init__(self, cost_model, seq_lens: np.ndarray, checkpointed: np.ndarray):
+        order = np.argsort(seq_lens)
+        self.cost_model = cost_model
+        self.num_blocks = cost_model.num_blocks
+        self.seq_lens = np.asarray(seq_lens, dtype=np.int64)[order]
+        self.checkpointed = np.asarray(checkpointed, dtype=np.int64)[order]
+
+    def depth(self, seq_len) -> np.ndarray:
+        """k of each entry of `seq_len` (int64, broadcast)."""
+        s = np.asarray(seq_len)
+        i = np.clip(np.searchsorted(self.seq_lens, s), 0, len(self.seq_lens) - 1)
+        return np.where(self.seq_lens[i] == s, self.checkpointed[i], self.num_blocks)
+
+    def predict(self, batch_size, seq_len):
+        """Step ms at each bucket's depth; scalars give a float, arrays broadcast."""
+        return self.cost_model.predict(batch_size, seq_len, self.depth(seq_len))

@@ -205,9 +205,36 @@ class MemoryModel:
                      np.where(fixed <= budget_bytes, float(NO_BOUND), 0.0))
         return np.asarray(b).astype(np.int64)
 
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON (docs/memory.md)."""
-        doc = {
+    def max_seq_len(self, budget_bytes: float, batch_size: int = 1, checkpointed=None) -> int:
+        """Largest S whose predicted peak at (batch_size, S, k) is <= budget_bytes (the peak grows with
+        S: every parameter is >= 0); 0 where not even S = 1 fits, NO_BOUND where the peak does not
+        grow with S. checkpointed=None means k = L."""
+        u = float(self.num_blocks - self._depth(checkpointed))
+        b = float(batch_size)
+        get = self.params.get
+        const = _peak(self.params, b, 0.0, u)
+        lin = b * (get("a", 0.0) + u * get("b", 0.0))
+        quad = b * (get("q", 0.0) + u * get("q_k", 0.0))
+        spare = float(budget_bytes) - const
+        if spare < 0:
+            return 0
+        if quad > 0:
+            s = (-lin + np.sqrt(lin * lin + 4.0 * quad * spare)) / (2.0 * quad)
+        elif lin > 0:
+            s = spare / lin
+        else:
+            return NO_BOUND
+        s = int(min(np.floor(s), NO_BOUND))
+        # the root's float rounding can be one off either way
+        if s > 0 and self.predict(b, s, checkpointed) > budget_bytes:
+            s -= 1
+        elif s < NO_BOUND and self.predict(b, s + 1, checkpointed) <= budget_bytes:
+            s += 1
+        return max(s, 0)
+
+    def to_dict(self) -> dict:
+        """The model as a JSON-ready dict (the document to_json writes)."""
+        return {
             "format": FORMAT,
             "version": VERSION,
             "form": self.form,
@@ -215,7 +242,10 @@ class MemoryModel:
             "params": self.params,
             "quality": _nan_to_none(self.quality),
         }
-        _write_json(path, doc)
+
+    def to_json(self, path) -> None:
+        """Write the model as plain JSON (docs/memory.md)."""
+        _write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> "MemoryModel":

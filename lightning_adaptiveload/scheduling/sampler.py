@@ -15,6 +15,7 @@ import numpy as np
 from lightning_adaptiveload._distributed import world_size_and_rank
 from lightning_adaptiveload._validation import require_choice, require_int
 from lightning_adaptiveload.scheduling.buckets import BucketTable, assign_buckets
+from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import EpochPlan, group_by_bucket, plan_epoch
 from lightning_adaptiveload.scheduling.policies import POLICIES
 
@@ -33,7 +34,10 @@ class BucketBatchSampler:
     (`target_seq_lens` says which; the dataset must resize them). num_replicas/rank default to
     torch.distributed's, else 1/0. dataset_fingerprint: an opaque string naming the dataset's
     samples in order (the DataModule's `index_fingerprint`); saved in the state and checked on load,
-    so a resume never maps positions of one index onto another.
+    so a resume never maps positions of one index onto another. memory_plan: plan with measured
+    memory (`BucketTable.build` says what it changes: samples longer than the device allows are
+    dropped as oversize, balanced takes each bucket's (B, k) from it and orders batches by their
+    predicted time at that k); `bucket_table.checkpointed` holds each bucket's k.
 
     With Lightning use `DataLoader(dataset, batch_sampler=sampler)` and
     `Trainer(use_distributed_sampler=False)`; Lightning calls `set_epoch` each epoch (through the
@@ -43,10 +47,12 @@ class BucketBatchSampler:
     def __init__(self, seq_lens, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
                  cost_model=None, num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
                  drop_last: bool = True, max_seq_len: int | None = None, oversize: str = "drop",
-                 dataset_fingerprint: str | None = None):
+                 dataset_fingerprint: str | None = None, memory_plan: MemoryPlan | None = None):
         require_choice("policy", policy, POLICIES)
         m_mem = require_int("m_mem (tokens per batch)", m_mem)
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
+        if memory_plan is not None:  # longer samples fit no configuration: dropped (counted) like oversize ones
+            max_seq_len = memory_plan.limit_seq_len(max_seq_len, int(np.min(seq_lens)))
         world, dist_rank = world_size_and_rank()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = dist_rank if rank is None else int(rank)
@@ -58,9 +64,11 @@ class BucketBatchSampler:
         self.bucket_of, self.bucket_seq_len = assign_buckets(seq_lens, self.max_seq_len, oversize)
         counts = np.bincount(self.bucket_of[self.bucket_of >= 0], minlength=len(self.bucket_seq_len))
         self.bucket_table = BucketTable.build(self.bucket_seq_len, counts, policy=policy, m_mem=self.m_mem,
-                                              m_comp=m_comp, p=p, cost_model=cost_model, max_seq_len=self.max_seq_len)
+                                              m_comp=m_comp, p=p, cost_model=cost_model, max_seq_len=self.max_seq_len,
+                                              memory_plan=memory_plan)
         self.m_comp, self.p = self.bucket_table.m_comp, self.bucket_table.p
         self.bucket_batch = self.bucket_table.batch_size
+        self._batch_costs = self.bucket_table.step_cost_model(cost_model)  # prices batches for balanced
         self._grouped = group_by_bucket(self.bucket_of)
         self.epoch = 0
         self._segments = [[self.num_replicas, 0]]  # [world_size, steps consumed] per (re-)plan of this epoch
@@ -75,7 +83,7 @@ class BucketBatchSampler:
         return plan_epoch(self.bucket_of, self.bucket_seq_len, self.bucket_batch, policy=self.policy,
                           world_size=segments[index][0], seed=self.seed, epoch=self.epoch,
                           drop_last=self.drop_last, exclude=exclude, segment=index, p=self.p,
-                          cost_model=self.cost_model, grouped=self._grouped)
+                          cost_model=self._batch_costs, grouped=self._grouped)
 
     def plan(self) -> EpochPlan:
         """The plan this sampler is on: the epoch's, or its re-plan after a resume with another
@@ -126,9 +134,14 @@ class BucketBatchSampler:
             yield plan.batch(step, self.rank).tolist()
 
     def _config(self) -> dict:
+        table = self.bucket_table
+        # under a memory plan the batch sizes and depths come from fitted models, not from the budgets
+        # above: a resume must plan the same batches (None without a plan, as in older states)
+        planned = None if table.memory_plan is None else {"batch_size": table.batch_size.tolist(),
+                                                          "checkpointed": table.checkpointed.tolist()}
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
                 "max_seq_len": self.max_seq_len, "oversize": self.oversize, "drop_last": self.drop_last,
-                "num_samples": len(self.bucket_of)}
+                "num_samples": len(self.bucket_of), "memory_plan": planned}
 
     def state_dict(self, steps_consumed: int | None = None) -> dict:
         """Rank-independent resume state. steps_consumed overrides the count of steps of the

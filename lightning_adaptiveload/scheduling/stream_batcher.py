@@ -34,6 +34,7 @@ import numpy as np
 
 from lightning_adaptiveload._validation import require_int, require_number
 from lightning_adaptiveload.scheduling.buckets import BucketTable
+from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.policies import batch_costs, batch_sizes
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
 
@@ -49,6 +50,8 @@ class StreamSchedule:
 
     class_prob: (n_classes,) fraction of steps scheduled on each cost class (expected batches of
     the mix); cost_min: cost at the lower edge of class 0; log_width: log(1 + class_tolerance).
+    memory_plan: with one, balanced batch sizes are the plan's choice (also for a bucket the mix did
+    not list) and `cost_model` prices each planned bucket at its depth (BucketDepthCosts).
     """
 
     policy: str
@@ -60,8 +63,11 @@ class StreamSchedule:
     cost_min: float
     log_width: float
     class_prob: np.ndarray
+    memory_plan: MemoryPlan | None = None
 
     def batch_size(self, seq_len: int) -> int:
+        if self.memory_plan is not None and self.policy == "balanced":
+            return int(self.memory_plan.choose(np.array([seq_len]), max_tokens=self.m_mem).batch_size[0])
         return int(batch_sizes(np.array([seq_len]), self.policy, self.m_mem, self.m_comp, self.p)[0])
 
     def batch_class(self, seq_len: int) -> int:
@@ -73,20 +79,25 @@ class StreamSchedule:
 
 def make_stream_schedule(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | None = None,
                          p: float | None = None, cost_model=None, max_seq_len: int | None = None,
-                         class_tolerance: float = 0.1) -> StreamSchedule:
+                         class_tolerance: float = 0.1, memory_plan: MemoryPlan | None = None) -> StreamSchedule:
     """The schedule of the expected shape mix (e.g. the dataset index or a shapes file), by token
-    count: its buckets are the BucketTable of the mix's tokens and counts."""
+    count: its buckets are the BucketTable of the mix's tokens and counts (with `memory_plan`, see
+    BucketTable.build; samples longer than the device allows are skipped as oversize)."""
     class_tolerance = require_number("class_tolerance", class_tolerance, positive=True)
+    if cost_model is None and memory_plan is not None:
+        cost_model = memory_plan.cost_model.base
     table = BucketTable.build(mix.tokens, mix.counts, policy=policy, m_mem=m_mem, m_comp=m_comp, p=p,
-                              cost_model=cost_model, max_seq_len=max_seq_len)
-    # token_equal: classes still need a cost; use the cost model's exponent or attention-free 1
+                              cost_model=cost_model, max_seq_len=max_seq_len, memory_plan=memory_plan)
+    # token_equal (and balanced under a memory plan): classes still need a cost; without a cost model
+    # use the attention-free exponent 1
     p = table.p if table.p is not None else float(cost_model.p) if cost_model is not None else 1.0
+    cost_model = table.step_cost_model(cost_model)
     costs = batch_costs(table.batch_size, table.seq_len, p, cost_model)
     cost_min, log_width = float(costs.min()), math.log1p(class_tolerance)
     classes = np.floor(np.log(costs / cost_min) / log_width).astype(np.int64)
     expected_batches = np.bincount(classes, weights=table.samples / table.batch_size)
     return StreamSchedule(policy, table.m_mem, table.m_comp, p, table.max_seq_len, cost_model, cost_min, log_width,
-                          expected_batches / expected_batches.sum())
+                          expected_batches / expected_batches.sum(), memory_plan)
 
 
 def class_schedule(schedule: StreamSchedule, seed: int, epoch: int, steps: int) -> np.ndarray:

@@ -601,3 +601,266 @@ def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):
     assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 4 + RECOMPILE_SLACK
     assert all(w["status"] == "warmed" for w in doc["warmed_shapes"])
     assert model_fingerprint(module) != model_fingerprint(VideoDiTModule(**TINY))
+
+
+# ---------------------------------------------------------------- per-bucket checkpointing (docs/memory.md)
+
+from lightning_adaptiveload.calibration.grid import predicted_depth_peak_bytes  # noqa: E402
+from lightning_adaptiveload.calibration.memory import ASSUMED_STATES, optimizer_memory  # noqa: E402
+from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
+from lightning_adaptiveload.scheduling.memory_model import MemoryModel  # noqa: E402
+from examples.video_dit.model import DiTBlock  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import TokenSpec  # noqa: E402
+
+TWO_BLOCKS = {**TINY, "num_layers": 2}
+
+
+def _state_bytes_after_a_step(optimizer, params):
+    """Bytes of the state tensors torch creates in one real step, 0-d step counters left out."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    lambda ps: torch.optim.NAdam(ps), lambda ps: torch.optim.RAdam(ps), lambda ps: torch.optim.Adamax(ps),
+    lambda ps: torch.optim.Adadelta(ps),
+    # two groups with different options and dtypes: states follow each group and each parameter's dtype
+    lambda ps: torch.optim.Adam([{"params": ps[:1], "amsgrad": True}, {"params": ps[1:]}], lr=1e-3),
+])
+def test_predicted_optimizer_state_equals_what_a_real_step_creates(make):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(11, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(3, 2, 4, dtype=torch.float64))]
+    optimizer = make(params)
+    predicted = optimizer_memory([optimizer])
+    assert "predicted" in predicted.rule
+    assert predicted.param_bytes == 7 * 5 * 4 + 11 * 2 + 24 * 8
+    after = _state_bytes_after_a_step(optimizer, params)
+    assert predicted.state_bytes == after
+    measured = optimizer_memory([optimizer])  # the state exists now: its bytes, step counters included
+    if after:  # (plain SGD keeps no tensor)
+        assert "measured" in measured.rule and after <= measured.state_bytes <= after + 8 * len(params)
+
+
+def test_state_created_up_front_is_measured_and_an_unknown_optimizer_is_assumed_adam_like():
+    params = [torch.nn.Parameter(torch.randn(6, 4))]
+    adagrad = torch.optim.Adagrad(params)  # creates its state in __init__
+    measured = optimizer_memory([adagrad])
+    assert "measured" in measured.rule and measured.state_bytes >= 6 * 4 * 4
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {})
+
+        def step(self, closure=None):
+            pass
+
+    custom = optimizer_memory([Custom(params), torch.optim.SGD(params, lr=0.1)])
+    assert custom.state_bytes == ASSUMED_STATES * 6 * 4 * 4 and "Custom: unknown type" in custom.rule
+    assert custom.param_bytes == 2 * 6 * 4 * 4
+    assert custom.step_bytes == 2 * custom.param_bytes + custom.state_bytes + custom.param_bytes
+
+
+def test_depth_points_extrapolate_by_their_extra_bytes_per_token():
+    points = [{"batch_size": 1, "seq_len": 64, "checkpointed": 4, "status": "ok", "peak_bytes": 1000},
+              {"batch_size": 1, "seq_len": 64, "checkpointed": 2, "status": "ok", "peak_bytes": 1640},
+              {"batch_size": 1, "seq_len": 256, "checkpointed": 4, "status": "ok", "peak_bytes": 3000},
+              {"batch_size": 2, "seq_len": 64, "checkpointed": 4, "status": "ok", "peak_bytes": 1500}]
+    # 640 extra bytes over 64 tokens: 10 per token
+    assert predicted_depth_peak_bytes(points, 1, 256, 2, 4) == pytest.approx(3000 + 10 * 256)
+    assert predicted_depth_peak_bytes(points, 2, 64, 2, 4) == pytest.approx(1500 + 10 * 128)
+    assert predicted_depth_peak_bytes(points, 4, 64, 2, 4) == 0.0  # not measured at k = 4 yet
+    assert predicted_depth_peak_bytes(points[:1], 1, 64, 2, 4) == 0.0  # no pair yet
+    # the B-extrapolation looks at one depth only
+    assert predicted_peak_bytes(points, 4, 64, 4) == pytest.approx(1500 + 500 * 2)
+    assert predicted_peak_bytes(points, 4, 64, 2) == 0.0
+
+
+class DepthProbeModule(VideoDiTModule):
+    """Records (B, S, blocks checkpointed) of every step, and can run out of memory (simulated) when
+    fewer than all blocks are checkpointed at B * S >= `oom_tokens`."""
+
+    oom_tokens = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.steps = []
+
+    def training_step(self, batch, batch_idx):
+        k = sum(b.__dict__["_adaptiveload_checkpointing"].checkpoint for b in self.dit.blocks)
+        tokens = batch["latents"].shape[0] * batch["seq_len"]
+        self.steps.append((batch["latents"].shape[0], batch["seq_len"], k))
+        if self.oom_tokens is not None and k < len(self.dit.blocks) and tokens >= self.oom_tokens:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return super().training_step(batch, batch_idx)
+
+
+class PlanningDataModule(GridDataModule):
+    """GridDataModule that takes a memory plan."""
+
+    def set_memory_plan(self, cost_model, memory_model, device_memory_bytes, max_memory_fraction=0.85):
+        self.memory_plan_calls = getattr(self, "memory_plan_calls", [])
+        self.memory_plan_calls.append((cost_model, memory_model, device_memory_bytes, max_memory_fraction))
+
+
+def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_are_fitted(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setattr("lightning_adaptiveload.callbacks.calibration.device_memory_bytes", lambda device: 2**33)
+    shared = {}
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    switch_cb = PerBucketCheckpointing(block_classes=[DiTBlock])
+    module = DepthProbeModule(**TWO_BLOCKS)
+    dm = PlanningDataModule()
+    trainer = _fit_dm(tmp_path, module, [switch_cb, StateProbe("before", shared), calib, StateProbe("after", shared)],
+                      dm)
+    assert shared.get("checked") and trainer.global_step == 1  # no trace, and training ran
+    full = [p for p in calib.points if p["checkpointed"] == 2]
+    half = [p for p in calib.points if p["checkpointed"] == 1]
+    assert len(full) == 9 and all(p["status"] == "ok" for p in calib.points)
+    required = required_points([16, 64, 96], [1, 2, 4], None)
+    assert [(p["batch_size"], p["seq_len"]) for p in half] == required  # the points the fit needs, again at k = 1
+    # each point ran at its depth: every step of the grid recorded (B, S, k) of a recorded point
+    recorded = {(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.points}
+    assert set(module.steps[:-1]) == recorded  # (the last step is training's)
+    # the cost model is fitted to the full-depth points, the models to all of them
+    ref = CostModel.fit(*([p[k] for p in full] for k in ("batch_size", "seq_len", "time_ms")))
+    assert calib.cost_model.params == pytest.approx(ref.params, rel=1e-9)
+    ok = calib.points
+    b, s, k, t, peak = ([p[key] for p in ok] for key in ("batch_size", "seq_len", "checkpointed", "time_ms",
+                                                         "peak_bytes"))
+    mem_ref = MemoryModel.fit(b, s, k, peak, 2)
+    state = calib.optimizer_memory.state_bytes
+    # the optimizer's state (AdamW, primed by the probe: measured): 2 fp32 moments per parameter and the
+    # 0-d step counters, added to m0
+    moments = 2 * sum(p.numel() * 4 for p in module.parameters())
+    assert "measured" in calib.optimizer_memory.rule
+    assert moments <= state <= moments + 4 * len(list(module.parameters()))
+    assert calib.memory_model.params["m0"] == pytest.approx(mem_ref.params["m0"] + state, rel=1e-9)
+    assert {n: v for n, v in calib.memory_model.params.items() if n != "m0"} == pytest.approx(
+        {n: v for n, v in mem_ref.params.items() if n != "m0"}, rel=1e-9)
+    depth_ref = DepthCostModel.fit(b, s, k, t, 2, base=ref)
+    assert calib.depth_cost_model.recompute_fraction == pytest.approx(depth_ref.recompute_fraction, rel=1e-9)
+    # handed to the DataModule with the device memory and the budget fraction; m_mem left to it
+    [(cm, m_mem)] = dm.cost_model_calls
+    assert cm is calib.cost_model and m_mem is None
+    [(depth, memory, device, fraction)] = dm.memory_plan_calls
+    assert depth is calib.depth_cost_model and memory is calib.memory_model
+    assert device == 2**33 and fraction == 0.85 and calib.memory_plan_used
+    log_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
+    doc = json.loads((log_dir / "calibration.json").read_text())
+    assert doc["points"] == calib.points and doc["measurements"] == full and doc["depths"] == [2, 1]
+    assert doc["memory_plan"]["used"] and doc["memory_plan"]["optimizer_memory"]["state_bytes"] == state
+    assert MemoryModel.from_json(log_dir / "calibration_memory_model.json").params == pytest.approx(
+        calib.memory_model.params)
+    assert DepthCostModel.from_json(log_dir / "calibration_depth_cost_model.json").recompute_fraction == \
+        pytest.approx(calib.depth_cost_model.recompute_fraction)
+    assert json.loads((tmp_path / "cache.json").read_text())["key"]["depths"] == [2, 1]
+    assert switch_cb.switch.checkpointed == 2  # left at every block
+
+
+def test_an_out_of_memory_second_depth_is_recorded_and_does_not_prune_full_depth_points(tmp_path, monkeypatch):
+    monkeypatch.setattr(DepthProbeModule, "oom_tokens", 64)
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    dm = PlanningDataModule()
+    _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS), [PerBucketCheckpointing(block_classes=[DiTBlock]), calib], dm)
+    status = {(p["batch_size"], p["seq_len"], p["checkpointed"]): p["status"] for p in calib.points}
+    assert status[(1, 64, 1)] == "oom" and status[(1, 96, 1)] == "skipped_oom"  # dominated at the same depth
+    assert status[(4, 16, 1)] == "oom" and status[(2, 16, 1)] == "ok"
+    assert all(st == "ok" for (b, s, k), st in status.items() if k == 2)  # every full-depth point ran
+    assert calib.measured_m_mem is None  # only full-depth points say what fits
+    # AdamW before its first step: its two fp32 moments per parameter are predicted
+    module_params = sum(p.numel() for p in DepthProbeModule(**TWO_BLOCKS).parameters())
+    assert calib.optimizer_memory.state_bytes == 2 * 4 * module_params
+    assert calib.optimizer_memory.rule == "AdamW: predicted from its type"
+    assert calib.memory_model is not None and dm.memory_plan_calls  # still two depths to fit on
+
+
+def test_a_memory_fit_that_fails_falls_back_to_every_block_checkpointed(tmp_path, monkeypatch):
+    def failing_fit(*args, **kwargs):
+        raise RuntimeError("singular")
+
+    monkeypatch.setattr(MemoryModel, "fit", failing_fit)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    dm = PlanningDataModule()
+    with pytest.warns(UserWarning, match=r"no memory plan \(cannot fit the memory .*singular\)\); every step checkpoints "
+                                         r"all 2 blocks"):
+        trainer = _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS),
+                          [PerBucketCheckpointing(block_classes=[DiTBlock]), calib], dm)
+    assert calib.trusted and calib.memory_model is None and not calib.memory_plan_used
+    assert not hasattr(dm, "memory_plan_calls") and dm.cost_model_calls == [(calib.cost_model, None)]
+    assert trainer.global_step == 1
+    doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
+    assert doc["memory_plan"]["used"] is False and "singular" in doc["memory_plan"]["distrust_reasons"][0]
+
+
+def test_a_datamodule_without_set_memory_plan_keeps_every_block_checkpointed(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    with pytest.warns(UserWarning, match="GridDataModule has no set_memory_plan"):
+        _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS), [PerBucketCheckpointing(block_classes=[DiTBlock]), calib],
+                GridDataModule())
+    assert calib.memory_model is not None and not calib.memory_plan_used
+
+
+class DepthShapesDataModule(ShapesDataModule, PlanningDataModule):
+    """Scheduled shapes with their depth (ScheduledShape's fourth field), as under a memory plan."""
+
+    SCHEDULED = [(4, (1, 8, 8), 3, 0), (2, (3, 8, 8), 9, 1), (1, (2, 16, 12), 5, 2), (2, (1, 16, 16), 1, None)]
+    spec = TokenSpec()  # patch (1, 2, 2): the token counts of SHAPES
+
+
+def test_shape_warmup_runs_each_shape_at_its_depth(tmp_path):
+    module = DepthProbeModule(**TWO_BLOCKS)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    _fit_dm(tmp_path, module, [PerBucketCheckpointing(block_classes=[DiTBlock]), calib], DepthShapesDataModule())
+    expected = sorted(DepthShapesDataModule.SCHEDULED, key=lambda x: -x[2])
+    assert [w["checkpointed"] for w in calib.warmed_shapes] == [k for *_, k in expected]
+    # the warm-up's steps (before the one training step), at each shape's depth; no depth: every block
+    tokens = {thw: s for s, thw in SHAPES.items()}
+    assert module.steps[-1 - len(expected):-1] == [(b, tokens[thw], 2 if k is None else k) for b, thw, _, k in expected]
+    for w, (b, thw, _, k) in zip(calib.warmed_shapes, expected):
+        depth = 2 if k is None else k
+        assert w["predicted_ms"] == pytest.approx(calib.depth_cost_model.predict(b, tokens[thw], depth))
+        assert w["predicted_peak_bytes"] == pytest.approx(calib.memory_model.predict(b, tokens[thw], depth))
+
+
+def test_per_bucket_checkpointing_listed_after_calibration_or_reading_another_key_is_refused(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"))
+
+    class LateBuild(VideoDiTModule):  # built in configure_model: PerBucketCheckpointing wraps in on_fit_start
+        def __init__(self):
+            super().__init__(**TWO_BLOCKS, build_in_configure_model=True)
+
+    with pytest.raises(ValueError, match="list it before CostModelCalibration"):
+        _fit_dm(tmp_path / "a", LateBuild(), [calib, PerBucketCheckpointing(block_classes=[DiTBlock])],
+                GridDataModule())
+    with pytest.raises(ValueError, match="reads batch\\['depth'\\]"):
+        _fit_dm(tmp_path / "b", VideoDiTModule(**TWO_BLOCKS),
+                [PerBucketCheckpointing(block_classes=[DiTBlock], batch_key="depth"), calib], GridDataModule())
+
+
+def test_an_untrusted_cost_model_keeps_every_block_checkpointed_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(StepRunner, "step", lambda self, batch: 5.0)  # flat: never trusted
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), shape_warmup=False)
+    dm = PlanningDataModule()
+    with pytest.warns(UserWarning, match="falls back to the token_equal policy .* every block checkpointed"):
+        _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS), [PerBucketCheckpointing(block_classes=[DiTBlock]), calib],
+                dm)
+    assert dm.cost_model_calls == [(None, None, "token_equal")] and not hasattr(dm, "memory_plan_calls")
+    assert not calib.memory_plan_used and calib.memory_distrust_reasons[0] == "the cost model is not trusted"

@@ -151,3 +151,61 @@ def test_index_command_offers_the_duplicate_rules_of_build_index():
 
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["index"]
     assert tuple(next(a for a in sub._actions if a.dest == "duplicates").choices) == DUPLICATES
+
+
+@pytest.fixture(scope="module")
+def h200_models(tmp_path_factory):
+    """Memory and depth cost models fitted to the H200 activation-checkpointing measurements, as JSON."""
+    from lightning_adaptiveload.scheduling.cost_model import DepthCostModel
+    from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+    from tests.helpers.h200_ac import H200_AC, NUM_BLOCKS
+
+    b, s, k, t, peak = np.array(H200_AC).T
+    memory = MemoryModel.fit(b, s, k, peak * 2**30, num_blocks=NUM_BLOCKS)
+    depth = DepthCostModel.fit(b, s, k, t, num_blocks=NUM_BLOCKS)
+    folder = tmp_path_factory.mktemp("models")
+    memory.to_json(folder / "memory.json")
+    depth.to_json(folder / "depth.json")
+    return str(folder / "memory.json"), str(folder / "depth.json"), memory, depth
+
+
+def test_plan_with_a_memory_model_shows_depth_and_peak_and_keeps_every_sample(capsys, h200_models):
+    from lightning_adaptiveload.scheduling.depth_choice import choose_batch_and_depth
+
+    memory_path, depth_path, memory, depth = h200_models
+    args = ("plan", "--shapes", SHAPES, "--cost-model", depth_path, "--memory-model", memory_path,
+            "--device-memory-gib", "139.8", "--m-mem", "65536", "--world-size", "8")
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    table, stats = doc["bucket_table"], doc["epoch_plan"]
+    mix = read_shapes_jsonl(SHAPES)
+    assert table["seq_len"] == sorted(set(mix.tokens.tolist())) and 75600 in table["seq_len"]
+    ref = choose_batch_and_depth(np.array(table["seq_len"]), memory, depth, device_memory_bytes=139.8 * 2**30,
+                                 max_tokens=65536)
+    assert table["batch_size"] == ref.batch_size.tolist() and table["checkpointed"] == ref.checkpointed.tolist()
+    assert table["peak_bytes"] == pytest.approx(ref.peak_bytes.tolist())
+    assert stats["dropped_oversize"] == 0 and table["memory_plan"]["max_memory_fraction"] == 0.85
+    depth_of = dict(zip(table["seq_len"], table["checkpointed"]))  # the numbers docs/memory.md quotes
+    assert depth_of[75600] == 21 and min(table["checkpointed"]) == 0 and max(table["checkpointed"]) == 22
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "memory model: MemoryModel(" in out and "memory plan: peak <= 118.83 GiB" in out
+    long_line = next(line for line in out.splitlines() if line.split()[:1] == ["75600"])
+    assert long_line.split()[5] == "1"  # (S, the latent shape in three parts, samples, B): B = 1 over m_mem
+    # the token-budget baselines under the same plan: k = L everywhere, predicted peaks shown
+    code, out, _ = run(capsys, *args, "--policy", "token_equal", "--json")
+    table = json.loads(out)["bucket_table"]
+    assert set(table["checkpointed"]) == {30}
+    assert table["batch_size"] == [token_equal_batch_size(s, 65536) for s in table["seq_len"]]
+
+
+def test_plan_memory_model_errors_name_the_argument(capsys, fitted, h200_models):
+    memory_path, depth_path, _, _ = h200_models
+    base = ("plan", "--shapes", SHAPES, "--m-mem", "65536")
+    code, _, err = run(capsys, *base, "--cost-model", depth_path, "--memory-model", memory_path)
+    assert code == 2 and "--memory-model needs --device-memory-gib" in err
+    code, _, err = run(capsys, *base, "--cost-model", fitted[0], "--memory-model", memory_path,
+                       "--device-memory-gib", "80")
+    assert code == 2 and "--cost-model must be a depth cost model" in err
+    code, _, err = run(capsys, *base, "--cost-model", fitted[0], "--device-memory-gib", "80")
+    assert code == 2 and "--device-memory-gib needs --memory-model" in err

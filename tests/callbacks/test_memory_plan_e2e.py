@@ -1,0 +1,131 @@
+"""Planning with measured memory end to end on CPU: the tiny example DiT with PerBucketCheckpointing,
+CostModelCalibration and the AdaptiveLoadDataModule (memory_planning=True). Under a small (patched)
+device memory the buckets get the (B, k) that choose_batch_and_depth gives for the fitted models,
+every training batch carries its bucket's k and runs at it, and the samples longer than m_mem,
+which fit at B = 1 with every block checkpointed, are trained rather than dropped.
+
+CPU "peaks" are the bytes autograd saves for backward (calibration/runner.py): the numbers stand
+for memory only in the sense the plan needs here, growing with B, S and the un-checkpointed blocks."""
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from examples.video_dit.model import DiTBlock
+from examples.video_dit.module import VideoDiTModule
+from lightning_adaptiveload.callbacks import CostModelCalibration, PerBucketCheckpointing
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY, choose_batch_and_depth
+from tests.helpers.data import C, D_TEXT, L_TEXT, tokens_ref, write_dataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = dict(in_channels=C, dim=32, num_layers=3, num_heads=2, ffn_dim=64, text_dim=D_TEXT, freq_dim=16)
+M_MEM = 40  # tokens: the (5, 8, 8) latents (80 tokens) are longer
+LONG = (5, 8, 8)
+FRACTION = 0.85
+TRUST_ANY = dict(max_heldout_error=float("inf"), min_work_correlation=-1.0)
+
+
+class RecordingModule(VideoDiTModule):
+    """Records every training batch: latent shape, batch size, keys, its "ac_blocks" and how many blocks
+    actually ran checkpointed."""
+
+    def __init__(self):
+        super().__init__(**MODEL)
+        self.batches = []
+
+    def training_step(self, batch, batch_idx):
+        if not batch["keys"][0].startswith("synthetic"):  # not calibration's steps
+            ran = sum(b.__dict__["_adaptiveload_checkpointing"].checkpoint for b in self.dit.blocks)
+            self.batches.append((tuple(batch["latent_shape"]), len(batch["keys"]), list(batch["keys"]),
+                                 batch.get(DEPTH_BATCH_KEY), ran))
+        return super().training_step(batch, batch_idx)
+
+
+def datamodule(root, **kw):
+    args = dict(shards=str(root), index=str(root / "index.jsonl"), policy="balanced", m_mem=M_MEM, latent_channels=C,
+                text_len=L_TEXT, text_dim=D_TEXT, num_workers=0, seed=3)
+    return AdaptiveLoadDataModule(**{**args, **kw})
+
+
+def fit(root, tmp, device_memory, monkeypatch, max_epochs=1):
+    monkeypatch.setattr("lightning_adaptiveload.callbacks.calibration.device_memory_bytes", lambda device: device_memory)
+    torch.manual_seed(0)
+    module, dm = RecordingModule(), datamodule(root, memory_planning=True)
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4, 8], warmup=0, repeats=1,
+                                 cache_path=str(root / "calibration_cache.json"), max_memory_fraction=FRACTION,
+                                 **TRUST_ANY)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+                        use_distributed_sampler=False,
+                        callbacks=[PerBucketCheckpointing(block_classes=[DiTBlock]), calib])
+    trainer.fit(module, datamodule=dm)
+    return module, dm, calib, trainer
+
+
+def test_buckets_get_the_plans_batch_and_depth_and_no_sample_that_fits_is_left_out(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    written = write_dataset(root, n=90)
+    long_keys = {k for k, (latent, _) in written.items() if latent.shape[1:] == LONG}
+    assert long_keys and tokens_ref(*LONG) > M_MEM
+    # without memory planning the long samples are dropped at setup, for the token budget
+    plain = datamodule(root)
+    plain.setup("fit")
+    assert plain.counters()["skipped/over_max_seq_len"] == len(long_keys)
+
+    # 1) calibrate on the machine's memory, to learn the models (cached)
+    _, _, first, _ = fit(root, tmp_path / "a", 2**40, monkeypatch, max_epochs=0)
+    assert first.memory_plan_used and first.source == "measured"
+    memory, depth = first.memory_model, first.depth_cost_model
+    L_ = memory.num_blocks
+    assert L_ == 3
+    # 2) a device whose budget fits one long sample with every block checkpointed, and not with none
+    long_full, long_none = memory.predict(1, tokens_ref(*LONG), L_), memory.predict(1, tokens_ref(*LONG), 0)
+    assert long_none > long_full
+    device = (long_full + long_none) / 2 / FRACTION
+    module, dm, calib, trainer = fit(root, tmp_path / "b", device, monkeypatch)
+    assert calib.source == "cache" and calib.memory_plan_used
+    assert calib.memory_model.params == pytest.approx(memory.params, rel=1e-9)
+
+    # the bucket table is the plan's choice for the fitted models on this device, token cap m_mem
+    table = dm.bucket_table()
+    ref = choose_batch_and_depth(table.seq_len, memory, depth, device_memory_bytes=device,
+                                 max_memory_fraction=FRACTION, max_tokens=M_MEM)
+    assert ref.fits.all() and table.batch_size.tolist() == ref.batch_size.tolist()
+    assert table.checkpointed.tolist() == ref.checkpointed.tolist()
+    np.testing.assert_allclose(table.peak_bytes, ref.peak_bytes, rtol=1e-12)
+    assert np.all(table.peak_bytes <= FRACTION * device)
+    row = {r["latent_shape"]: r for r in table.rows()}
+    assert row[LONG]["batch_size"] == 1 and 0 < row[LONG]["checkpointed"] <= L_
+    assert len(set(table.checkpointed.tolist())) > 1  # the buckets differ in depth on this device
+    assert "memory plan: peak <=" in table.format()
+
+    # training: every batch carries its bucket's k, runs at it, has its bucket's B
+    assert module.batches and trainer.global_step == len(module.batches)
+    for thw, size, _, k, ran in module.batches:
+        assert k == row[thw]["checkpointed"] and isinstance(k, int) and ran == k
+        assert size == row[thw]["batch_size"]
+    trained = {key for _, _, keys, _, _ in module.batches for key in keys}
+    assert long_keys <= trained  # longer than m_mem, fit at B = 1: trained, not dropped
+    assert dm.counters()["dropped_oversize"] == 0 and "skipped/over_max_seq_len" not in dm.counters()
+    # the warm-up ran each scheduled shape at its depth and the model predicted its peak
+    assert {(tuple(w["latent_shape"]), w["checkpointed"]) for w in calib.warmed_shapes} == \
+        {(thw, r["checkpointed"]) for thw, r in row.items()}
+    assert all("predicted_peak_bytes" in w for w in calib.warmed_shapes)
+
+
+def test_until_a_plan_is_set_samples_over_m_mem_are_left_out_counted(tmp_path):
+    root = tmp_path / "data"
+    written = write_dataset(root, n=60)
+    long_keys = {k for k, (latent, _) in written.items() if latent.shape[1:] == LONG}
+    dm = datamodule(root, memory_planning=True, policy="token_equal")
+    dm.setup("fit")
+    assert "skipped/over_max_seq_len" not in dm.counters()  # admitted at setup
+    loader = dm.build_train_loader(1, 0)
+    keys = [k for batch in loader for k in batch["keys"]]
+    assert not long_keys & set(keys) and DEPTH_BATCH_KEY not in next(iter(loader))
+    assert loader.batch_sampler.stats["dropped_oversize"] == len(long_keys)
+    assert dm.bucket_table().max_seq_len == M_MEM
+    with pytest.raises(ValueError, match="oversize='resize'.*memory_planning"):
+        datamodule(root, memory_planning=True, oversize="resize")

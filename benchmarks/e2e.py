@@ -145,18 +145,22 @@ def run(args: argparse.Namespace) -> None:
         print(f"e2e {args.config}: same epoch plan as token_equal under its calibrated cost model; not re-run")
         return
     L.seed_everything(0)
-    datamodule = make_datamodule(args, work, policy, str(balanced_log_dir / "calibration_cost_model.json")
-                                 if fused else None)
+    datamodule = make_datamodule(args, work, policy, None)
     model = VideoDiTModule(in_channels=sc["latent_channels"], dim=sc["dim"], num_layers=args.layers,
                            num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"],
                            freq_dim=sc["freq_dim"], lr=1e-4, weight_decay=0.01)
+    # Every configuration warms its scheduled shapes the same way; the fused one schedules with the
+    # balanced run's cost model as given (the same batches: the difference is the kernel).
     calibration = CostModelCalibration(num_seq_lens=5, batch_sizes=sc["batch_sizes"], max_tokens=sc["m_mem"],
                                        warmup=1, repeats=3, time_budget_s=90, m_mem=sc["m_mem"],
-                                       cache_path=str(work / "calibration_cache.json"))
+                                       cache_path=str(work / "calibration_cache.json"),
+                                       cost_model_path=str(balanced_log_dir / "calibration_cost_model.json")
+                                       if fused else None)
     monitor = LoadBalanceMonitor(window=20)
     recorder = RunRecorder()
-    callbacks = [FusedAdaLNSurgery(extra_patterns=["examples.video_dit.surgery.VIDEO_DIT_PATTERNS"],
-                                   require_replacement=True) if fused else calibration, monitor, recorder]
+    surgery = [FusedAdaLNSurgery(extra_patterns=["examples.video_dit.surgery.VIDEO_DIT_PATTERNS"],
+                                 require_replacement=True)] if fused else []
+    callbacks = [*surgery, calibration, monitor, recorder]
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=args.devices,
         strategy=FSDPStrategy(auto_wrap_policy={DiTBlock}) if gpu else "ddp",
@@ -172,8 +176,7 @@ def run(args: argparse.Namespace) -> None:
         "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers, "devices": args.devices,
         "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
         "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s, "peak_mem_gib_per_rank": recorder.peak_gib,
-        "calibration": json.loads(((balanced_log_dir if fused else Path(trainer.logger.log_dir))
-                                   / "calibration.json").read_text()),
+        "calibration": json.loads((Path(trainer.logger.log_dir) / "calibration.json").read_text()),
         "monitor_summary": monitor.summary,
         "losses_rank0": recorder.losses, "samples_rank0": recorder.samples,
         "log_dir": trainer.logger.log_dir,
@@ -202,6 +205,11 @@ def summarize_run(res: dict) -> dict:
     load, step_ms, busy = cols["load"][keep], cols["step_time_ms"][keep], metrics.finite_steps(cols["busy_ms"][keep])
     slowest_s = metrics.step_time(step_ms) / 1e3
     tokens, samples = float(cols["tokens"].sum()), float(cols["samples"].sum())
+    # First occurrences of a (B, S) on some rank, reported apart from the steady state (the rest).
+    first = metrics.first_occurrences(cols["samples"], cols["seq_len"])
+    steady = ~first
+    beyond = metrics.time_beyond_prediction_ms(cols["load"], cols["step_time_ms"])
+    steady_s = float(metrics.step_time(cols["step_time_ms"][steady]).sum()) / 1e3
     return {
         "config": res["config"],
         "epoch_wall_s": res["epoch_wall_s"],
@@ -231,8 +239,18 @@ def summarize_run(res: dict) -> dict:
         # Outside the step (data loading, host work between batches): the slowest rank's, per batch.
         "between_steps_ms": float((cols["interval_ms"][keep] - cols["step_time_ms"][keep]).max(axis=1).mean()),
         "steps": batches,
+        "first_occurrence_steps": int(first.sum()),
+        "tokens_per_s_steady": float(cols["tokens"][steady].sum()) / steady_s if steady_s > 0 else float("nan"),
+        "predicted_tokens_per_s_steady": metrics.predicted_throughput(cols["tokens"][steady], cols["load"][steady]),
+        "predicted_tokens_per_s_epoch": metrics.predicted_throughput(cols["tokens"], cols["load"]),
+        "unpredicted_ms_first_occurrences": float(beyond[first].mean()) if first.any() else float("nan"),
+        "unpredicted_ms_steady": float(beyond[steady].mean()) if steady.any() else float("nan"),
         "calibration_s": res["calibration"]["seconds"],
-        "calibration_from_cache": res["calibration"]["from_cache"],
+        # runs before the shape warm-up existed recorded from_cache instead of source
+        "calibration_source": res["calibration"].get("source")
+        or ("cache" if res["calibration"].get("from_cache") else "measured"),
+        "warmup_s": res["calibration"].get("warmup_seconds", 0.0),
+        "warmed_shapes": sum(w["status"] == "warmed" for w in res["calibration"].get("warmed_shapes", [])),
     }
 
 
@@ -300,6 +318,13 @@ def report(args: argparse.Namespace) -> None:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    print("first epoch and steady state (steps after each rank has seen its (B, S) once), measured | predicted:")
+    for r in rows:
+        print(f"  {r['config']:>16}: epoch {r['tokens_per_s_epoch']:.0f} | {r['predicted_tokens_per_s_epoch']:.0f} "
+              f"tokens/s; steady {r['tokens_per_s_steady']:.0f} | {r['predicted_tokens_per_s_steady']:.0f}; "
+              f"{r['first_occurrence_steps']} first-occurrence steps, beyond the model "
+              f"{r['unpredicted_ms_first_occurrences']:.0f} ms there, {r['unpredicted_ms_steady']:.0f} ms steady; "
+              f"warm-up {r['warmup_s']:.1f} s ({r['warmed_shapes']} shapes)")
     print("step time beyond the cost model by sample length (tokens): ms per step (fraction of the predicted step)")
     for r in rows:
         print(f"  {r['config']:>16}: " + ", ".join(

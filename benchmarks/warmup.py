@@ -95,20 +95,21 @@ def analyse(work: Path, run: str) -> dict:
     log_dir = Path(json.loads((work / f"{run}.json").read_text())["log_dir"])
     steps = read_steps(log_dir)
     calibration = json.loads((log_dir / "calibration.json").read_text())
-    seen, later = set(), {}
-    for s in steps:
-        key = (int(s["samples"]), int(s["seq_len"]))
-        s["first"] = key not in seen
-        seen.add(key)
-        if not s["first"]:
-            later.setdefault(key, []).append(s["step_time_ms"])
+    from lightning_adaptiveload.scheduling import metrics
+
+    marks = metrics.first_occurrences([[s["samples"]] for s in steps], [[s["seq_len"]] for s in steps])
+    later = {}
+    for s, first in zip(steps, marks.tolist()):
+        s["first"] = first
+        if not first:
+            later.setdefault((int(s["samples"]), int(s["seq_len"])), []).append(s["step_time_ms"])
     first = [s for s in steps if s["first"]]
     over_model = [s["step_time_ms"] / s["load"] - 1 for s in first]
     over_repeat = [s["step_time_ms"] - float(np.median(later[(int(s["samples"]), int(s["seq_len"]))]))
                    for s in first if (int(s["samples"]), int(s["seq_len"])) in later]
     repeats = [s["step_time_ms"] / s["load"] - 1 for s in steps if not s["first"]]
     return {
-        "run": run, "steps": len(steps), "distinct_shapes": len(seen),
+        "run": run, "steps": len(steps), "distinct_shapes": int(marks.sum()),
         "epoch_step_time_s": sum(s["step_time_ms"] for s in steps) / 1e3,
         "first_occurrence_over_model_max": max(over_model), "first_occurrence_over_model_mean": float(np.mean(over_model)),
         "first_occurrences_over_5pct": int(sum(v > 0.05 for v in over_model)),

@@ -41,7 +41,7 @@ from lightning_adaptiveload.calibration.warmup import warm_shapes
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, plot_fit
+from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, load_cost_model, plot_fit
 from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 
@@ -89,6 +89,10 @@ class CostModelCalibration(Callback):
             the rest are left cold (counted and reported).
         cache_path: calibration JSON reused when its key (model fingerprint, strategy, precision,
             world size, device, grid) matches; default `<default_root_dir>/calibration_cache.json`.
+        cost_model_path: a fitted cost-model JSON (`calibration_cost_model.json` of an earlier run)
+            to schedule with as it is: no benchmark, no fit, no memory plan (trusted as given; e.g. to
+            train a variant of a run on exactly its batches); M_mem from `m_mem` or the DataModule.
+            The shape warm-up still runs.
     """
 
     def __init__(self, num_seq_lens: int = 4, batch_sizes: list[int] | None = None, max_tokens: int | None = None,
@@ -96,7 +100,8 @@ class CostModelCalibration(Callback):
                  memory_margin: float = 0.9, max_memory_fraction: float = 0.85, form: str = "auto",
                  max_heldout_error: float = DEFAULT_MAX_HELDOUT_ERROR,
                  min_work_correlation: float = DEFAULT_MIN_WORK_CORRELATION, shape_warmup: bool = True,
-                 shape_warmup_budget_s: float = 600.0, cache_path: str | None = None):
+                 shape_warmup_budget_s: float = 600.0, cache_path: str | None = None,
+                 cost_model_path: str | None = None):
         if num_seq_lens < 1 or warmup < 0 or repeats < 1 or time_budget_s <= 0 or shape_warmup_budget_s < 0:
             raise ValueError("CostModelCalibration: need num_seq_lens >= 1, warmup >= 0, repeats >= 1, "
                              f"time_budget_s > 0, shape_warmup_budget_s >= 0; got {num_seq_lens}, {warmup}, "
@@ -113,6 +118,7 @@ class CostModelCalibration(Callback):
         self.warmup, self.repeats, self.time_budget_s = warmup, repeats, time_budget_s
         self.m_mem, self.memory_margin, self.max_memory_fraction = m_mem, memory_margin, max_memory_fraction
         self.form, self.max_heldout_error, self.cache_path = form, max_heldout_error, cache_path
+        self.cost_model_path = cost_model_path
         self.min_work_correlation = min_work_correlation
         self.shape_warmup, self.shape_warmup_budget_s = shape_warmup, shape_warmup_budget_s
         # Results, for the user and the tests.
@@ -121,7 +127,7 @@ class CostModelCalibration(Callback):
         self.distrust_reasons: list[str] = []
         self.measured_m_mem: int | None = None
         self.points: list[dict] = []
-        self.source = ""  # "measured", "measured again", "cache" or "checkpoint"
+        self.source = ""  # "measured", "measured again", "cache", "checkpoint" or "given"
         self.warmed_shapes: list[dict] = []
         # With PerBucketCheckpointing: the models of the memory plan (None when not fitted, and why),
         # the optimizer memory calibration's steps lack, the device memory the plan budgets against.
@@ -164,7 +170,11 @@ class CostModelCalibration(Callback):
         with StepRunner(trainer, pl_module) as runner:
             if switch is not None:
                 self._measure_memory_terms(trainer, runner)
-            if self._restored_points is not None:  # every rank loaded the same checkpoint
+            if self.cost_model_path is not None:  # every rank reads the same file
+                self.points, self.source = [], "given"
+                rank_zero_info(f"CostModelCalibration: scheduling with the cost model {self.cost_model_path} as given; "
+                               "no benchmark run")
+            elif self._restored_points is not None:  # every rank loaded the same checkpoint
                 self.points, self.source, self._restored_points = self._restored_points, "checkpoint", None
                 rank_zero_info("CostModelCalibration: resuming with the calibration stored in the checkpoint; "
                                "no benchmark run")
@@ -177,7 +187,13 @@ class CostModelCalibration(Callback):
                 else:
                     self.points = self._benchmark(runner, datamodule, grid, self.repeats, switch)
                     self.source = "measured"
-            self._fit_and_judge(trainer, switch)
+            if self.source == "given":
+                self.cost_model, self.trusted, self.distrust_reasons = load_cost_model(self.cost_model_path), True, []
+                self.measured_m_mem = self.m_mem
+                if switch is not None:
+                    self.memory_distrust_reasons = ["the cost model was given: no memory measured"]
+            else:
+                self._fit_and_judge(trainer, switch)
             if not self.trusted and self.source == "measured":
                 rank_zero_warn("CostModelCalibration: the fit is not trusted (" + "; ".join(self.distrust_reasons)
                                + f"); measuring again with {REMEASURE_REPEATS * self.repeats} repeats per point")
@@ -452,8 +468,9 @@ class CostModelCalibration(Callback):
             return
         self.cost_model.to_json(log_dir / "calibration_cost_model.json")
         feasible = doc["measurements"]
-        b, s, t = ([p[k] for p in feasible] for k in ("batch_size", "seq_len", "time_ms"))
-        plot_fit(self.cost_model, b, s, t, log_dir / "calibration_fit.png")
+        if feasible:  # none for a cost model given as is
+            b, s, t = ([p[k] for p in feasible] for k in ("batch_size", "seq_len", "time_ms"))
+            plot_fit(self.cost_model, b, s, t, log_dir / "calibration_fit.png")
 
     def _report(self, trainer: Trainer, doc: dict, longest: int, datamodule) -> None:
         cm = self.cost_model
@@ -471,7 +488,7 @@ class CostModelCalibration(Callback):
                          + (f"{p['time_ms']:>10.2f} {predicted} {p['peak_bytes'] / 2**20:>10.1f}" if ok
                             else f"{'':>10} {'':>10} {'':>10}")
                          + f"  {p['status']}")
-        source = {"cache": " (from cache)", "checkpoint": " (from checkpoint)"}.get(self.source, "")
+        source = {"cache": " (from cache)", "checkpoint": " (from checkpoint)", "given": " (given)"}.get(self.source, "")
         if cm is not None:
             q = cm.quality
             lines.append(f"cost model {cm!r}; mean rel err {q['mean_rel_err']:.1%}, held-out "

@@ -135,3 +135,19 @@ def finite_steps(values: ArrayLike) -> np.ndarray:
     quantities that are only sampled on some steps (busy time) are NaN elsewhere."""
     values = _per_rank(values)
     return values[np.isfinite(values).all(axis=1)]
+
+
+def first_occurrences(batch_size: ArrayLike, seq_len: ArrayLike) -> np.ndarray:
+    """(steps,) bool: the steps where some rank runs a (batch size, seq_len) it has not run before
+    in the run, from per-rank (steps, ranks) arrays. A new shape builds its kernels (cuDNN attention
+    graphs, compiled graphs) in that step, so these steps are reported apart from the steady state
+    (docs/cost_model.md, "Cold shapes")."""
+    batch_size, seq_len = _per_rank(batch_size), _per_rank(seq_len)
+    first = np.zeros(batch_size.shape[0], dtype=bool)
+    for r in range(batch_size.shape[1]):
+        seen = set()
+        for i, key in enumerate(zip(batch_size[:, r].tolist(), seq_len[:, r].tolist())):
+            if key not in seen:
+                seen.add(key)
+                first[i] = True
+    return first

@@ -864,3 +864,20 @@ def test_an_untrusted_cost_model_keeps_every_block_checkpointed_and_says_why(tmp
                 dm)
     assert dm.cost_model_calls == [(None, None, "token_equal")] and not hasattr(dm, "memory_plan_calls")
     assert not calib.memory_plan_used and calib.memory_distrust_reasons[0] == "the cost model is not trusted"
+
+
+def test_a_given_cost_model_is_used_as_is_and_the_shapes_still_warm(tmp_path):
+    first = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "a.json"), **TRUST_ANY)
+    _fit_dm(tmp_path / "a", VideoDiTModule(**TINY), [first], ShapesDataModule())
+    saved = tmp_path / "a" / "logs" / "lightning_logs" / "version_0" / "calibration_cost_model.json"
+    CountingModule.steps = 0
+    given = CostModelCalibration(cost_model_path=str(saved), m_mem=300, cache_path=str(tmp_path / "b.json"))
+    dm = ShapesDataModule()
+    _fit_dm(tmp_path / "b", CountingModule(**TINY), [given], dm)
+    [(cm, m_mem)] = dm.cost_model_calls
+    assert given.source == "given" and given.trusted and given.points == [] and m_mem == 300
+    assert cm.params == pytest.approx(first.cost_model.params, rel=1e-12) and cm.form == first.cost_model.form
+    # no benchmark: one warm-up step per scheduled shape and the one training step
+    assert CountingModule.steps == len(ShapesDataModule.SCHEDULED) + 1
+    assert not (tmp_path / "b.json").exists()  # nothing measured, nothing cached

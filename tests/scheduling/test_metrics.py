@@ -82,3 +82,16 @@ def test_finite_steps_keeps_fully_measured_rows():
     busy[5, 2] = np.nan  # one rank missing: the step is not comparable across ranks
     kept = metrics.finite_steps(busy)
     assert np.array_equal(kept, busy[[0, 2, 3, 6]])
+
+
+def test_first_occurrences_marks_steps_where_any_rank_meets_a_new_shape():
+    rng = np.random.default_rng(5)
+    b = rng.integers(1, 3, size=(40, 3))
+    s = rng.choice([16, 32, 64], size=(40, 3))
+    expected = np.zeros(40, dtype=bool)
+    for r in range(3):  # reference: a plain loop over each rank's history
+        for i in range(40):
+            if not any(b[j, r] == b[i, r] and s[j, r] == s[i, r] for j in range(i)):
+                expected[i] = True
+    np.testing.assert_array_equal(metrics.first_occurrences(b, s), expected)
+    assert metrics.first_occurrences(b, s)[0] and not metrics.first_occurrences(np.ones((5, 2)), np.ones((5, 2)))[1:].any()

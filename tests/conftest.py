@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -13,12 +15,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
-    """A Lightning fit in the test process (e.g. FSDP on one GPU) initializes torch.distributed and
-    leaves the group, and its port, behind: the next test that starts a group would then fail
-    ("initialize the default process group twice", EADDRINUSE), as seen on the GPU machine."""
+    """A Lightning fit in the test process (DDP or FSDP on one device) initializes torch.distributed
+    and leaves the group, its port and its environment (MASTER_PORT, WORLD_SIZE, ...) behind: the
+    next test that starts a group would fail ("initialize the default process group twice",
+    EADDRINUSE, as seen on the GPU machine), and a multi-process script it starts would inherit a
+    one-process rendezvous and wait forever."""
+    environ = dict(os.environ)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture

@@ -122,9 +122,11 @@ def test_lightning_fsdp_takes_over_its_policy_and_trains_like_no_checkpointing()
         L.seed_everything(0)
         module = ToyModule()
         strategy = FSDPStrategy(auto_wrap_policy={ToyBlock}, activation_checkpointing_policy={ToyBlock})
+        # use_distributed_sampler=False: Lightning's DistributedSampler would shuffle the batches away
+        # from `DEPTHS` (the cause of this test's failure on the H200, not the switch)
         trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="32-true", max_epochs=1,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks)
+                            enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks)
         trainer.fit(module, torch.utils.data.DataLoader(batches(DEPTHS, dtype=torch.float32), batch_size=None))
         return module, trainer
 

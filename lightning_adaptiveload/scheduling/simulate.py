@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from lightning_adaptiveload._validation import require_int
 from lightning_adaptiveload.scheduling import metrics
+from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
 from lightning_adaptiveload.scheduling.stream_batcher import StreamingBucketBatcher, make_stream_schedule
@@ -40,14 +41,16 @@ def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) 
 
 def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int, seed: int = 0,
              m_comp: float | None = None, max_seq_len: int | None = None, num_samples: int | None = None,
-             progress: bool = False) -> dict:
+             memory_plan: MemoryPlan | None = None, progress: bool = False) -> dict:
     """Simulate `steps` data-parallel steps of `policy` (epochs 0, 1, ... of the sampler's plan).
 
     The dataset is the mix's histogram expanded to one entry per sample, or, with num_samples,
     that many samples drawn from the mix's shape distribution (seeded). Returns step_metrics plus
     policy, m_mem, m_comp, p, the bucket table (`BucketTable.to_dict()`) and the first epoch's
-    sample accounting (samples_per_epoch, steps_per_epoch, dropped_*). progress: a tqdm bar of
-    steps on a terminal.
+    sample accounting (samples_per_epoch, steps_per_epoch, dropped_*, samples_scheduled_frac).
+    memory_plan: plan batch sizes and checkpointing depths with measured memory (the sampler's
+    memory_plan; each batch priced at its bucket's depth). progress: a tqdm bar of steps on a
+    terminal.
     """
     steps = require_int("steps", steps)
     if num_samples is None:
@@ -56,7 +59,9 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         rng = np.random.default_rng([int(seed), 1])
         seq_lens = rng.choice(mix.tokens, size=require_int("num_samples", num_samples), p=mix.counts / mix.counts.sum())
     sampler = BucketBatchSampler(seq_lens, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
-                                 num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len)
+                                 num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len,
+                                 memory_plan=memory_plan)
+    price = sampler.bucket_table.step_cost_model(cost_model)
     times, tokens, samples = [], [], []
     epoch, have = 0, 0
     bar = tqdm(total=steps, desc=f"simulate {policy}", unit="step", disable=None if progress else True)
@@ -65,7 +70,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         plan = sampler.plan()
         take = plan.steps[: steps - have]
         b, s = plan.batch_len[take], plan.batch_seq_len[take]
-        times.append(np.asarray(cost_model.predict(b, s), dtype=np.float64).reshape(take.shape))
+        times.append(np.asarray(price.predict(b, s), dtype=np.float64).reshape(take.shape))
         tokens.append(b * s)
         samples.append(b)
         have += len(take)
@@ -88,6 +93,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         "dropped_oversize": first["dropped_oversize"],
         "dropped_partial_batch": first["dropped_partial_batch"],
         "dropped_step_remainder": first["dropped_step_remainder"],
+        "samples_scheduled_frac": first["samples_scheduled"] / len(seq_lens),
         "buckets": sampler.bucket_table.to_dict(),
     }
 

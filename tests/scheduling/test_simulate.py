@@ -82,3 +82,38 @@ def test_simulate_bad_input():
         simulate(mix, model, m_mem=65536, world_size=1, policy="token_equal", steps=0)
     with pytest.raises(ValueError, match="num_samples must be an integer >= 1, got 0"):
         simulate(mix, model, m_mem=65536, world_size=1, policy="token_equal", steps=3, num_samples=0)
+
+
+def test_simulate_with_a_memory_plan_prices_each_batch_at_its_buckets_depth():
+    from lightning_adaptiveload.scheduling.cost_model import DepthCostModel
+    from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+    from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+    from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
+    from tests.helpers.h200_ac import H200_AC, NUM_BLOCKS
+
+    b, s, k, t, peak = np.array(H200_AC).T
+    memory = MemoryModel.fit(b, s, k, peak * 2**30, num_blocks=NUM_BLOCKS)
+    depth = DepthCostModel.fit(b, s, k, t, num_blocks=NUM_BLOCKS)
+    plan = MemoryPlan(memory, depth, 139.8 * 2**30)
+    mix = ShapeMix(tokens=np.array([1024, 20280, 46800, 75600]), counts=np.array([300, 40, 20, 10]),
+                   latent_thw=np.full((4, 3), -1))
+    out = simulate(mix, depth, m_mem=65536, world_size=4, policy="balanced", steps=40, memory_plan=plan,
+                   max_seq_len=plan.max_seq_len)
+    # reference: the same sampler's plan, each batch priced by hand at its bucket's k
+    sampler = BucketBatchSampler(mix.per_sample_tokens(), policy="balanced", m_mem=65536, cost_model=depth,
+                                 num_replicas=4, rank=0, max_seq_len=plan.max_seq_len, memory_plan=plan)
+    k_of = dict(zip(sampler.bucket_table.seq_len.tolist(), sampler.bucket_table.checkpointed.tolist()))
+    scheduled = sampler.plan().stats["samples_scheduled"] / mix.num_samples  # epoch 0
+    times, tokens, epoch = [], 0, 0
+    while len(times) < 40:  # one row of per-rank times per step, over as many epochs as needed
+        sampler.set_epoch(epoch)
+        p = sampler.plan()
+        for step in p.steps[: 40 - len(times)]:
+            row = [depth.predict(int(p.batch_len[i]), int(p.batch_seq_len[i]), k_of[int(p.batch_seq_len[i])])
+                   for i in step]
+            times.append(row)
+            tokens += int((p.batch_len[step] * p.batch_seq_len[step]).sum())
+        epoch += 1
+    wall_s = sum(max(row) for row in times) / 1e3
+    assert out["predicted_tokens_per_s"] == pytest.approx(tokens / wall_s, rel=1e-9)
+    assert 75600 in out["buckets"]["seq_len"] and out["samples_scheduled_frac"] == pytest.approx(scheduled)

@@ -51,3 +51,14 @@ def run_meta(benchmark: str, **versions: str) -> dict:
     if not cuda:
         meta["load_average_1_5_15min_at_end"] = list(os.getloadavg())
     return meta
+
+
+def write_result(path: str | Path, doc: dict, announce: bool = True) -> None:
+    """Write a benchmark's result document as indented JSON (folders made as needed)."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if announce:
+        print(f"wrote {path}")

@@ -193,7 +193,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from _meta import run_meta  # imports the package: only here, not in the measured children
+    from _meta import run_meta, write_result  # imports the package: only here, not in the measured children
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "data").mkdir()
@@ -250,9 +250,7 @@ def main() -> None:
                  "DataModule.setup() with a valid cache (hash + npz load).",
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

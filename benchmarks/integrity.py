@@ -31,10 +31,8 @@ Prints a table and writes benchmarks/results/integrity.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections import OrderedDict
@@ -42,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _meta import cpu_run_meta
+from _meta import run_meta, write_result
 from lightning_adaptiveload.data.datamodule import REFERENCE_MIX
 from lightning_adaptiveload.data.index import (SampleIndex, _check_unique_keys, build_index, check_shards,
                                                index_fingerprint, member_table_sha256, read_index, read_members,
@@ -167,8 +165,7 @@ def main() -> None:
         print(f"{r['measure']:<15} {r['seconds']:>9.4f} {r['per']:>7} {r['us_per']:>11.1f}")
     print(f"header check: +{extra:.0f} us per sample over plain reads, "
           f"{100 * extra / (by['read_plain']['us_per'] + by['decode']['us_per']):.1f}% of read + decode")
-    git_commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    doc = cpu_run_meta("integrity", git_commit=git_commit.stdout.strip()) | {
+    doc = run_meta("integrity") | {
         "settings": vars(args), "shards": len(shards), "samples": len(index), "members": members,
         "shard_bytes": shard_bytes,
         "header_check_us_per_sample": extra,
@@ -180,9 +177,7 @@ def main() -> None:
                  "per shard.",
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

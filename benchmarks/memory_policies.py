@@ -25,7 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _meta import run_meta  # noqa: E402
+from _meta import run_meta, write_result  # noqa: E402
 
 from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan  # noqa: E402
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "simulation on CPU; step times predicted by the models above",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
     return 0
 
 

@@ -11,7 +11,6 @@ whether any m_comp could reach the paper's CV reduction under random (Open-Sora)
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from importlib.resources import files
 from pathlib import Path
@@ -23,7 +22,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from _meta import run_meta
+from _meta import run_meta, write_result
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
@@ -110,7 +109,7 @@ def main() -> None:
         "rows": rows,
         "checks": checks,
     }
-    (RESULTS / "policies.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(RESULTS / "policies.json", doc, announce=False)
     _plot(rows, args.world_sizes, RESULTS / "policies.png")
     print(f"\nwrote {RESULTS / 'policies.json'} and {RESULTS / 'policies.png'}")
 

@@ -10,7 +10,6 @@ Targets: planning <= 10 s and <= 1 GiB.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
 import tracemalloc
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from _meta import run_meta
+from _meta import run_meta, write_result
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
@@ -100,8 +99,7 @@ def main() -> None:
         "rss_before_planning_bytes": rss_before,
         "checks": checks,
     }
-    (RESULTS / "sampler_plan.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {RESULTS / 'sampler_plan.json'}")
+    write_result(RESULTS / "sampler_plan.json", doc)
 
 
 if __name__ == "__main__":

@@ -227,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         train(args, args.run)
         return 0
 
-    from _meta import run_meta
+    from _meta import run_meta, write_result
 
     doc = run_meta("warmup") | {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "run")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every part: a run cut short keeps the parts it finished
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write_result(args.out, doc, announce=False)
 
     parts = args.parts.split(",")
     status = 0

@@ -10,6 +10,7 @@ from lightning_adaptiveload.scheduling.cost_model import (
 )
 from lightning_adaptiveload.scheduling.policies import batch_sizes, dual_constraint_batch_size
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+from tests.helpers.json_docs import assert_rejected
 
 DATA = Path(__file__).resolve().parents[2] / "lightning_adaptiveload" / "data"
 H200 = DATA / "h200_dit_cost_curve.json"
@@ -196,11 +197,7 @@ MALFORMED = {
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_from_json_rejects_malformed(tmp_path, case):
     mutate, message = MALFORMED[case]
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(mutate(_valid_doc())))
-    with pytest.raises(ValueError, match=message) as info:
-        CostModel.from_json(path)
-    assert str(path) in str(info.value)
+    assert_rejected(CostModel.from_json, tmp_path, mutate(_valid_doc()), message)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -7,6 +7,7 @@ import pytest
 from lightning_adaptiveload.scheduling.memory_model import FORMAT, FORMS, NO_BOUND, MemoryModel
 from lightning_adaptiveload.scheduling.cost_model import QUALITY_KEYS
 from tests.helpers.h200_ac import H200_AC, H200_OOM
+from tests.helpers.json_docs import assert_rejected
 
 GiB = 2**30
 L = 30
@@ -230,11 +231,7 @@ MALFORMED = {
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_from_json_rejects_malformed(tmp_path, case):
     mutate, message = MALFORMED[case]
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(mutate(_valid_doc())))
-    with pytest.raises(ValueError, match=message) as info:
-        MemoryModel.from_json(path)
-    assert str(path) in str(info.value)
+    assert_rejected(MemoryModel.from_json, tmp_path, mutate(_valid_doc()), message)
 
 
 def test_from_json_rejects_bad_text_and_missing_file(tmp_path):

@@ -159,8 +159,11 @@ class CostModelCalibration(Callback):
         compiled = compiled_submodules(pl_module)
         recompile_limit = None
         if compiled:  # before the key: the limit is part of what the compiled steps run under
-            # a compiled block traces the checkpointing switch: the second depth's points compile again
-            recompile_limit = raise_recompile_limit(len(grid) + depth_points + len(self._scheduled_shapes(datamodule)))
+            # a compiled block traces the checkpointing switch: the second depth's points compile again.
+            # The schedule is not known before the fit: a bucket runs its full batch and at most one
+            # smaller one (its remainder), so two shapes per bucket bound the warm-up's.
+            shapes = 2 * len(datamodule.bucket_seq_lens())
+            recompile_limit = raise_recompile_limit(len(grid) + depth_points + shapes)
             rank_zero_info(f"CostModelCalibration: {len(compiled)} compiled region(s) (e.g. {compiled[0] or '<root>'}); "
                            f"dynamo recompile_limit {recompile_limit[0]} -> {recompile_limit[1]} for "
                            f"{len(grid) + depth_points} grid points and the scheduled shapes")
@@ -172,27 +175,14 @@ class CostModelCalibration(Callback):
                 self._measure_memory_terms(trainer, runner)
             if self.cost_model_path is not None:  # every rank reads the same file
                 self.points, self.source = [], "given"
-                rank_zero_info(f"CostModelCalibration: scheduling with the cost model {self.cost_model_path} as given; "
-                               "no benchmark run")
-            elif self._restored_points is not None:  # every rank loaded the same checkpoint
-                self.points, self.source, self._restored_points = self._restored_points, "checkpoint", None
-                rank_zero_info("CostModelCalibration: resuming with the calibration stored in the checkpoint; "
-                               "no benchmark run")
-            else:
-                cached = trainer.strategy.broadcast(read_cache(cache_path, key) if trainer.is_global_zero else None)
-                if cached is not None:
-                    self.points, self.source = cached["points"], "cache"
-                    rank_zero_info(f"CostModelCalibration: reusing {cache_path} (same model, strategy, precision, "
-                                   "world size, device and grid); no benchmark run")
-                else:
-                    self.points = self._benchmark(runner, datamodule, grid, self.repeats, switch)
-                    self.source = "measured"
-            if self.source == "given":
                 self.cost_model, self.trusted, self.distrust_reasons = load_cost_model(self.cost_model_path), True, []
                 self.measured_m_mem = self.m_mem
                 if switch is not None:
                     self.memory_distrust_reasons = ["the cost model was given: no memory measured"]
+                rank_zero_info(f"CostModelCalibration: scheduling with the cost model {self.cost_model_path} as given; "
+                               "no benchmark run")
             else:
+                self.points, self.source = self._points(trainer, runner, datamodule, grid, key, cache_path, switch)
                 self._fit_and_judge(trainer, switch)
             if not self.trusted and self.source == "measured":
                 rank_zero_warn("CostModelCalibration: the fit is not trusted (" + "; ".join(self.distrust_reasons)
@@ -245,6 +235,22 @@ class CostModelCalibration(Callback):
         self._restored_points = state_dict.get("points") or None
 
     # ---------------------------------------------------------------- benchmark
+
+    def _points(self, trainer: Trainer, runner: StepRunner, datamodule, grid, key: dict, cache_path: Path,
+                switch: BlockCheckpointing | None) -> tuple[list[dict], str]:
+        """The grid's points and where they come from: the checkpoint of a resumed fit, a cache with
+        this key, or a new measurement."""
+        if self._restored_points is not None:  # every rank loaded the same checkpoint
+            points, self._restored_points = self._restored_points, None
+            rank_zero_info("CostModelCalibration: resuming with the calibration stored in the checkpoint; "
+                           "no benchmark run")
+            return points, "checkpoint"
+        cached = trainer.strategy.broadcast(read_cache(cache_path, key) if trainer.is_global_zero else None)
+        if cached is not None:
+            rank_zero_info(f"CostModelCalibration: reusing {cache_path} (same model, strategy, precision, "
+                           "world size, device and grid); no benchmark run")
+            return cached["points"], "cache"
+        return self._benchmark(runner, datamodule, grid, self.repeats, switch), "measured"
 
     def _benchmark(self, runner: StepRunner, datamodule, grid: list[tuple[int, int]], repeats: int,
                    switch: BlockCheckpointing | None) -> list[dict]:

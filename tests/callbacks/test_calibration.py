@@ -597,8 +597,8 @@ def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):
                                      cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
         _fit_dm(tmp_path, module, [calib], ShapesDataModule())
     doc = json.loads((tmp_path / "logs" / "lightning_logs" / "version_0" / "calibration.json").read_text())
-    # 6 grid points and 4 scheduled shapes, plus the slack
-    assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 4 + RECOMPILE_SLACK
+    # 6 grid points and two shapes per bucket (4 buckets), plus the slack
+    assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 2 * 4 + RECOMPILE_SLACK
     assert all(w["status"] == "warmed" for w in doc["warmed_shapes"])
     assert model_fingerprint(module) != model_fingerprint(VideoDiTModule(**TINY))
 

@@ -69,6 +69,7 @@ def run_mode(args: argparse.Namespace) -> dict:
 
     from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
     from examples.video_dit.surgery import VIDEO_DIT_PATTERNS
+    from lightning_adaptiveload.scheduling.shapes import TokenSpec
     from lightning_adaptiveload.surgery import apply_fused_adaln
 
     device = torch.device(args.device)
@@ -129,7 +130,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             print(f"{args.mode}: first pass {first_pass_s:.1f} s, {frames_after_first} graphs", flush=True)
     rows = []
     for i, (b, thw) in enumerate(shapes):
-        tokens = b * int(np.prod([thw[0], thw[1] // 2, thw[2] // 2]))
+        tokens = b * TokenSpec().tokens_from_latent(*thw)
         steady = float(np.median(times[i][1:])) if len(times[i]) > 1 else float("nan")
         rows.append({"batch_size": b, "latent_shape": list(thw), "tokens": tokens, "first_ms": times[i][0],
                      "steady_ms": steady, "compile_ms": times[i][0] - steady})

@@ -16,8 +16,10 @@ Three parts, each in fresh processes where the process's caches matter:
 2. graph_cache: scaled_dot_product_attention forward + backward alone on `--cache-shapes` distinct
    sequence lengths, then the first of them again: is a shape still warm after hundreds of others
    (is cuDNN's attention graph cache bounded)?
-3. blocks: the cold excess of a new shape (first step minus the second) with 1, 4, 8 and 16 blocks:
-   does the graph cost grow with the number of blocks?
+3. blocks: the cold excess (first step minus the median of the next two) of the same three shapes on
+   models of 1, 4, 8 and 16 blocks built one after the other in one process: the first model pays
+   for the shapes' kernels; if the later ones pay nothing more, the graphs are per process and shared
+   by blocks and models, so their cost does not grow with the number of blocks.
 """
 from __future__ import annotations
 

@@ -176,11 +176,6 @@ def depth_from_batch(batch, num_blocks: int, key: str = BATCH_KEY) -> int:
     return int(value)
 
 
-def _fsdp_unit_types() -> tuple[type, ...]:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    return FullyShardedDataParallel, FSDPModule
-
-
 def check_composition(root: nn.Module, switch: BlockCheckpointing) -> None:
     """Raise ValueError if the wrapped model cannot switch checkpointing per rank and step safely:
     a block's switchable forward was replaced after wrapping (e.g. by a later instance patch), an
@@ -188,8 +183,9 @@ def check_composition(root: nn.Module, switch: BlockCheckpointing) -> None:
     torch's CheckpointWrapper wraps a block or sits inside one (checkpointing twice). Call it after
     the strategy wrapped the model."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    units = _fsdp_unit_types()
+    units = (FullyShardedDataParallel, FSDPModule)
     for i, block in enumerate(switch.blocks):
         name = f"block {i} ({type(block).__name__})"
         if not _is_wrapped(block):

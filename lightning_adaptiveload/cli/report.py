@@ -47,7 +47,8 @@ def per_step_series(cols: dict[str, np.ndarray], window: int, load_in_ms: bool =
     defines each."""
     load, step_ms, busy = cols["load"], cols["step_time_ms"], cols["busy_ms"]
     n = load.shape[0]
-    rolling = np.array([metrics.step_time_cv_temporal(step_ms[max(0, i + 1 - window):i + 1]) for i in range(n)])
+    slowest_ms = metrics.step_time(step_ms)  # step_time_cv_temporal of a window is temporal_cv of these
+    rolling = np.array([metrics.temporal_cv(slowest_ms[max(0, i + 1 - window):i + 1]) for i in range(n)])
     profiled = np.isfinite(busy).all(axis=1)
     busy_cv, busy_mom = np.full(n, np.nan), np.full(n, np.nan)
     if profiled.any():
@@ -58,7 +59,7 @@ def per_step_series(cols: dict[str, np.ndarray], window: int, load_in_ms: bool =
             "load_max_over_mean": metrics.max_over_mean(load), "bubble_frac": metrics.bubble_per_step(load),
             "step_time_cv": metrics.cv_across_ranks(step_ms), "step_time_cv_temporal": rolling,
             "busy_cv": busy_cv, "busy_max_over_mean": busy_mom, "unpredicted_ms": unpredicted,
-            "load_max": metrics.step_time(load), "step_time_max_ms": metrics.step_time(step_ms)}
+            "load_max": metrics.step_time(load), "step_time_max_ms": slowest_ms}
 
 
 def read_metrics_csv(path: str | Path) -> dict[str, np.ndarray]:

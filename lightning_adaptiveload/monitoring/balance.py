@@ -15,9 +15,6 @@ from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_
 from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS
 from lightning_adaptiveload.scheduling import metrics
 
-# Per-step series kept for the run summary (one float per step each, not per rank).
-_SERIES = ("load_cv", "load_max_over_mean", "load_mean", "load_max", "step_time_cv", "step_time_ms",
-           "rank_mean_step_ms", "unpredicted_ms", "busy_cv", "busy_max_over_mean")
 _PER_RANK_MEANS = ("samples", "tokens", "seq_len", "load", "step_time_ms")
 
 
@@ -37,6 +34,8 @@ class BalanceTracker:
         self.load_unit = load_unit
         self.load_in_ms = load_unit.startswith("ms")
         self._recent_step_ms: collections.deque = collections.deque(maxlen=self.window)
+        # Per-step series for the run summary (one float per step each, not per rank): the keys of
+        # update's per_step. Sums over steps and ranks come from _rank_sums instead.
         self._series: dict[str, list[np.ndarray]] = collections.defaultdict(list)
         self._rank_sums = np.zeros((self.world_size, len(FIELDS)))
         self._busy_sums = np.zeros((self.world_size, 2))  # busy_ms, comm_ms summed over profiled steps
@@ -59,11 +58,9 @@ class BalanceTracker:
         per_step = {
             "load_cv": metrics.cv_across_ranks(load),
             "load_max_over_mean": metrics.max_over_mean(load),
-            "load_mean": metrics.rank_mean(load),
             "load_max": metrics.step_time(load),
             "step_time_cv": metrics.cv_across_ranks(step_ms),
             "step_time_ms": metrics.step_time(step_ms),
-            "rank_mean_step_ms": metrics.rank_mean(step_ms),
         }
         self._recent_step_ms.extend(per_step["step_time_ms"].tolist())
         out = {
@@ -78,27 +75,30 @@ class BalanceTracker:
             per_step["unpredicted_ms"] = metrics.time_beyond_prediction_ms(load, step_ms)
             out["balance/unpredicted_ms"] = metrics.mean_over_steps(per_step["unpredicted_ms"])
         profiled = np.isfinite(col("busy_ms")).all(axis=1) & np.isfinite(col("comm_ms")).all(axis=1)
-        if profiled.any():
-            busy, comm = col("busy_ms")[profiled], col("comm_ms")[profiled]
+        n_profiled = int(profiled.sum())
+        busy_sums = None
+        if n_profiled:
+            busy = col("busy_ms")[profiled]
+            busy_sums = np.stack([busy.sum(axis=0), col("comm_ms")[profiled].sum(axis=0)], axis=1)  # (ranks, 2)
             per_step["busy_cv"] = metrics.cv_across_ranks(busy)
             per_step["busy_max_over_mean"] = metrics.max_over_mean(busy)
             out["balance/busy_cv"] = metrics.mean_over_steps(per_step["busy_cv"])
             out["balance/busy_max_over_mean"] = metrics.mean_over_steps(per_step["busy_max_over_mean"])
-            self._busy_sums += np.stack([busy.sum(axis=0), comm.sum(axis=0)], axis=1)
-            self._busy_steps += int(profiled.sum())
+            self._busy_sums += busy_sums
+            self._busy_steps += n_profiled
+        interval_sums = rows.sum(axis=0)  # (ranks, F): the run's sums take them too
+        means = interval_sums / rows.shape[0]
         for r in range(self.world_size):
-            out[f"rank{r}/step_time_ms"] = float(step_ms[:, r].mean())
-            out[f"rank{r}/load"] = float(load[:, r].mean())
-            out[f"rank{r}/tokens"] = float(tokens[:, r].mean())
-            if profiled.any():
-                out[f"rank{r}/busy_ms"] = float(col("busy_ms")[profiled, r].mean())
-                out[f"rank{r}/comm_ms"] = float(col("comm_ms")[profiled, r].mean())
+            for name in ("step_time_ms", "load", "tokens"):
+                out[f"rank{r}/{name}"] = float(means[r, COLUMN[name]])
+            if busy_sums is not None:
+                out[f"rank{r}/busy_ms"], out[f"rank{r}/comm_ms"] = (busy_sums[r] / n_profiled).tolist()
         self._last = rows[-1]
         out.update({f"compile/{name}": value for name, value in self.compile_counts().items()
                     if name != "limit_hits" and value is not None})
         for name, values in per_step.items():
             self._series[name].append(values)
-        self._rank_sums += rows.sum(axis=0)
+        self._rank_sums += interval_sums
         self.steps += rows.shape[0]
         return out
 
@@ -123,8 +123,10 @@ class BalanceTracker:
         if not self.steps:
             return {}
         run = {name: np.concatenate(parts) for name, parts in self._series.items()}
-        step_ms_mean = metrics.mean_over_steps(run["rank_mean_step_ms"])
         totals = self._rank_sums[None]  # (1, ranks, F): the run as one step of per-rank sums
+        # The ranks' mean of the per-rank sums: the sum over steps of each step's mean over ranks.
+        load_mean_sum = float(metrics.rank_mean(totals[:, :, COLUMN["load"]])[0])
+        step_ms_mean = float(metrics.rank_mean(totals[:, :, COLUMN["step_time_ms"]])[0]) / self.steps
         out = {
             "steps": self.steps,
             "world_size": self.world_size,
@@ -132,7 +134,7 @@ class BalanceTracker:
             "load_cv_mean": metrics.mean_over_steps(run["load_cv"]),
             "load_cv_max": float(run["load_cv"].max()),
             "load_max_over_mean_mean": metrics.mean_over_steps(run["load_max_over_mean"]),
-            "bubble_frac": metrics.idle_fraction(run["load_mean"], run["load_max"]),
+            "bubble_frac": metrics.idle_fraction(load_mean_sum, run["load_max"]),
             "step_time_cv_mean": metrics.mean_over_steps(run["step_time_cv"]),
             "step_time_cv_temporal_run": metrics.temporal_cv(run["step_time_ms"]),
             "step_time_ms_mean": step_ms_mean,

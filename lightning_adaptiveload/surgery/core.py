@@ -234,9 +234,12 @@ def upcast_fallback_reason(x: Tensor) -> str | None:
 def fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: torch.dtype) -> str | None:
     """Why the fused op cannot reproduce `norm(x) * (1 + scale) + shift` cast to `result_dtype`
     for these tensors, or None. x (B, N, D); shift, scale (B, 1, D) or (B, N, D)."""
-    reason = upcast_fallback_reason(x)
-    if reason is not None:
-        return reason
+    return upcast_fallback_reason(x) or modulation_fallback_reason(x, shift, scale, result_dtype=result_dtype)
+
+
+def modulation_fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: torch.dtype) -> str | None:
+    """`fallback_reason` for an x that already passed `upcast_fallback_reason`: shift, scale and
+    the result dtype only."""
     batch, seq, dim = x.shape
     for name, t in (("shift", shift), ("scale", scale)):
         if not isinstance(t, Tensor):
@@ -252,10 +255,16 @@ def fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: to
     return None
 
 
-def unit_inner_stride(t: Tensor) -> Tensor:
+def _unit_inner_stride(t: Tensor) -> Tensor:
     # The op reads rows with unit inner stride; e.g. `flatten(2).transpose(1, 2)` after a patch
     # embedding is not. A copy changes no value, only what the op keeps for backward.
     return t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def adaln_any_stride(x: Tensor, shift: Tensor, scale: Tensor, weight: Tensor | None, bias: Tensor | None,
+                     eps: float) -> Tensor:
+    """`adaln_modulate`, with x, shift and scale copied to unit inner stride where they are not."""
+    return adaln_modulate(_unit_inner_stride(x), _unit_inner_stride(shift), _unit_inner_stride(scale), weight, bias, eps)
 
 
 def fused_modulate(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -271,9 +280,7 @@ def fused_modulate(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Tensor) 
     if reason is not None:
         warn_once(f"fused AdaLN: eager fallback for {reason}")
         return norm(x) * (1 + scale) + shift
-    return adaln_modulate(
-        unit_inner_stride(x), unit_inner_stride(shift), unit_inner_stride(scale), norm.weight, norm.bias, norm.eps
-    )
+    return adaln_any_stride(x, shift, scale, norm.weight, norm.bias, norm.eps)
 
 
 def fused_modulate_fp32(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -288,9 +295,7 @@ def fused_modulate_fp32(norm: nn.LayerNorm, x: Tensor, shift: Tensor, scale: Ten
     if reason is not None:
         warn_once(f"fused AdaLN: eager fallback for {reason}")
         return (norm(x.float()) * (1 + scale) + shift).type_as(x)
-    return adaln_modulate(
-        unit_inner_stride(x), unit_inner_stride(shift), unit_inner_stride(scale), norm.weight, norm.bias, norm.eps
-    )
+    return adaln_any_stride(x, shift, scale, norm.weight, norm.bias, norm.eps)
 
 
 def run_original(module: nn.Module, reason: str, *args, **kwargs):

@@ -34,15 +34,14 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_adaptiveload.ops import adaln_modulate
 from lightning_adaptiveload.ops.adaln import FLOAT_DTYPES
 from lightning_adaptiveload.surgery import verify
 from lightning_adaptiveload.surgery.core import (
     UPCAST_LAYER_NORMS,
     SurgeryReport,
-    fallback_reason,
+    adaln_any_stride,
+    modulation_fallback_reason,
     norm_reason,
-    unit_inner_stride,
     upcast_fallback_reason,
     warn_once,
 )
@@ -140,8 +139,7 @@ class FusedSite:
 
     def fused(self, values: dict[str, Any]) -> Tensor:
         _shape, weight, bias, eps = self._norm_params(values)
-        x, shift, scale = (unit_inner_stride(values[k]) for k in ("x", "shift", "scale"))
-        return adaln_modulate(x, shift, scale, weight, bias, eps)
+        return adaln_any_stride(values["x"], values["shift"], values["scale"], weight, bias, eps)
 
     def fallback_reason(self, values: dict[str, Any]) -> str | None:
         """Why the fused op cannot reproduce this call's eager result, or None."""
@@ -176,7 +174,7 @@ class FusedSite:
             dtype = self.casts["out"].dtype(values, x)
             if dtype is None:
                 return "a cast of the result that is not a dtype cast"
-        return fallback_reason(x, shift, scale, result_dtype=dtype)
+        return modulation_fallback_reason(x, shift, scale, result_dtype=dtype)  # x was checked above
 
 
 @dataclass

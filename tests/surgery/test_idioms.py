@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from tests.helpers.surgery import Attention, cast_inputs, check_fp32, grad_floor, patched_copy, rel_err, run
 
-from lightning_adaptiveload.surgery import apply_fused_adaln, idioms, verify
+from lightning_adaptiveload.surgery import apply_fused_adaln, core, verify
 
 D, HEADS = 16, 2
 
@@ -367,7 +367,7 @@ def test_first_call_check_restores_the_original_on_mismatch(monkeypatch):
     x, c = block_inputs(block)
     expected = block(x, c)
     report = apply_fused_adaln(block)
-    monkeypatch.setattr(idioms, "adaln_modulate", lambda *args: args[0] + 1.0)
+    monkeypatch.setattr(core, "adaln_modulate", lambda *args: args[0] + 1.0)
     with pytest.warns(RuntimeWarning, match="failed its first-call check"):
         out = block(x, c)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -437,7 +437,7 @@ def test_runtime_fallback_is_the_original_expression_exactly():
 
 def test_site_check_refuses_a_site_the_op_computes_differently(monkeypatch):
     """The per-site numeric check at surgery time: a site whose fused result differs is not rewritten."""
-    monkeypatch.setattr(idioms, "adaln_modulate", lambda x, shift, scale, *rest: x * (1 + scale) + shift)
+    monkeypatch.setattr(core, "adaln_modulate", lambda x, shift, scale, *rest: x * (1 + scale) + shift)
     report = apply_fused_adaln(randomized(PerTokenBlock))
     assert report.num_replaced == 0
     assert "numeric check failed: x torch.float32" in report.left_alone[0][2]

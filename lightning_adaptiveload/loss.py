@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_adaptiveload._distributed import is_distributed, world_size_and_rank
+from lightning_adaptiveload._distributed import is_distributed
 
 
 def scale_loss_to_global_mean(loss_mean: Tensor, local_count: int | Tensor, process_group=None) -> Tensor:
@@ -38,6 +38,5 @@ def scale_loss_to_global_mean(loss_mean: Tensor, local_count: int | Tensor, proc
     if global_count.device.type == "cpu" and global_count.item() <= 0:
         # Same value on every rank, so every rank raises together: no rank waits in a collective.
         raise ValueError("scale_loss_to_global_mean: the global count is 0 (every rank has an empty batch)")
-    world_size, _ = world_size_and_rank(process_group)
-    factor = world_size * count.reshape(()) / global_count[0]
+    factor = dist.get_world_size(process_group) * count.reshape(()) / global_count[0]
     return loss_mean * factor.to(loss_mean.dtype)

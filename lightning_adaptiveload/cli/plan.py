@@ -13,6 +13,7 @@ import numpy as np
 from lightning_adaptiveload.scheduling.buckets import BucketTable, schedule_keys
 from lightning_adaptiveload.scheduling.cost_model import DepthCostModel, load_cost_model
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
@@ -63,8 +64,7 @@ def plan_summary(mix: ShapeMix, cost_model, *, policy: str, m_mem: int, m_comp: 
 
 
 def format_summary(table: BucketTable, stats: dict, cost_model, seed: int, drop_last: bool) -> str:
-    dropped = ", ".join(f"{key.removeprefix('dropped_')} {stats[key]}"
-                        for key in ("dropped_oversize", "dropped_partial_batch", "dropped_step_remainder"))
+    dropped = ", ".join(f"{key.removeprefix('dropped_')} {stats[key]}" for key in DROP_COUNTERS)
     return "\n".join([
         f"cost model: {cost_model!r}",
         table.format(),

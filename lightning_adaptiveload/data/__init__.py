@@ -1,7 +1,8 @@
 """WebDataset shards of video latents: sample format, index, and the Lightning DataModule.
 
 The shipped `*.jsonl` / `*.json` files next to this module are example inputs
-(`reference_mix.jsonl`: a shape histogram; `h200_dit_cost_curve.json`: measured step times).
+(`reference_mix.jsonl`: a shape histogram; `h200_dit_cost_curve.json`: measured step times;
+`h200_ac_measurements.json`: step times and peak memory at two checkpointing depths).
 """
 from lightning_adaptiveload.data.index import SampleIndex, build_index, read_index
 from lightning_adaptiveload.data.shards import (SKIP_REASONS, BadSample, decode_sample, encode_sample,

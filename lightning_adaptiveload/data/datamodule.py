@@ -32,11 +32,12 @@ from lightning_adaptiveload.data.index import build_index
 from lightning_adaptiveload.data.map_style import MapStyleSource
 from lightning_adaptiveload.data.shards import (SKIPPED_KEY, raise_if_any_batch_failed, resolve_shards, shape_for_tokens,
                                                 write_synthetic_shards)
-from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
+from lightning_adaptiveload.data.source import SampleConfig, TrainLoader
 from lightning_adaptiveload.data.webdataset_stream import StreamingSource
-from lightning_adaptiveload.scheduling.buckets import NO_DEPTH, OVERSIZE, BucketTable, ScheduledShape, schedule_keys
+from lightning_adaptiveload.scheduling.buckets import OVERSIZE, BucketTable, ScheduledShape, schedule_keys
 from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, load_cost_model
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
@@ -252,12 +253,12 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         if isinstance(self.source, MapStyleSource):
             sampler = self.build_sampler(world, 0)
-            plan, table = sampler.plan(), sampler.bucket_table
-            depth = dict(zip(table.seq_len.tolist(), table.checkpointed.tolist()))
+            plan = sampler.plan()
+            depth = {row["seq_len"]: row["checkpointed"] for row in sampler.bucket_table.rows()}
             ids = plan.steps.ravel()
             pairs, counts = np.unique(np.column_stack([plan.batch_len[ids], plan.batch_seq_len[ids]]), axis=0,
                                       return_counts=True)
-            return [ScheduledShape(int(b), self._key_shape[int(s)], int(n), _depth_or_none(depth[int(s)]))
+            return [ScheduledShape(int(b), self._key_shape[int(s)], int(n), depth[int(s)])
                     for (b, s), n in zip(pairs, counts)]
         return [ScheduledShape(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])),
                                row["checkpointed"])
@@ -343,7 +344,3 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             self._count_skipped(batch.pop(SKIPPED_KEY), where="the train stream")
             raise_if_any_batch_failed(batch, self.trainer.strategy if self.trainer is not None else None)
         return batch
-
-
-def _depth_or_none(k: int) -> int | None:
-    return None if k == NO_DEPTH else int(k)

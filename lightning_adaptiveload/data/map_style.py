@@ -14,10 +14,12 @@ from torch.utils.data import Dataset
 
 from lightning_adaptiveload.data.index import SampleIndex, check_shards, index_fingerprint, read_index, read_members
 from lightning_adaptiveload.data.shards import BadSample
-from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
+from lightning_adaptiveload.data.source import SampleConfig, TrainLoader
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
+from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
+
 
 class IndexedShardDataset(Dataset):
     """Samples of an index, read by byte offset. Item i is `decode(key, member bytes)`, or

@@ -20,9 +20,6 @@ from lightning_adaptiveload.data.shards import check_config, decode_sample
 from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
-# Samples an epoch leaves out, per reason (EpochPlan.stats keys; docs/data.md explains each).
-DROP_COUNTERS = ("dropped_oversize", "dropped_partial_batch", "dropped_step_remainder")
-
 
 @dataclass(frozen=True)
 class SampleConfig:
@@ -77,7 +74,7 @@ class TrainLoader(DataLoader):
         """Called after the last batch of an epoch."""
 
     def drop_counts(self) -> dict[str, int]:
-        """Samples the current epoch leaves out, one entry per DROP_COUNTERS key."""
+        """Samples the current epoch leaves out, one entry per epoch_plan.DROP_COUNTERS key."""
         raise NotImplementedError
 
     def __iter__(self):

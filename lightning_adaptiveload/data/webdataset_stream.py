@@ -26,8 +26,9 @@ from lightning_adaptiveload.data.collate import as_is
 from lightning_adaptiveload.data.index import scan_shard
 from lightning_adaptiveload.data.shards import (LATENT_SUFFIXES, MEMBER_SUFFIXES, SKIPPED_KEY, BadSample, decode_meta,
                                                 inspect_sample, mix_latent_shapes)
-from lightning_adaptiveload.data.source import DROP_COUNTERS, SampleConfig, TrainLoader
+from lightning_adaptiveload.data.source import SampleConfig, TrainLoader
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
+from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 from lightning_adaptiveload.scheduling.stream_batcher import (StreamingBucketBatcher, StreamSchedule,
                                                               make_stream_schedule)

@@ -171,20 +171,24 @@ def fit_quality(pred: np.ndarray, measured: np.ndarray, heldout_rel_err: np.ndar
     }
 
 
+def _positive_1d(name: str, values) -> np.ndarray:
+    """`values` as a 1-D float64 array of finite numbers > 0 (measurements of the model files of
+    scheduling/); a ValueError naming `name` otherwise."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    bad = ~(np.isfinite(a) & (a > 0))
+    if bad.any():
+        raise ValueError(f"{name} must be finite and > 0, got {a[bad][:3].tolist()}")
+    return a
+
+
 def _check_measurements(batch_sizes, seq_lens, times_ms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    arrays = []
-    for name, values in (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("times_ms", times_ms)):
-        a = np.asarray(values, dtype=np.float64)
-        if a.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-        if not np.all(np.isfinite(a)) or not np.all(a > 0):
-            bad = a[~(np.isfinite(a) & (a > 0))][:3].tolist()
-            raise ValueError(f"{name} must be finite and > 0, got {bad}")
-        arrays.append(a)
-    if not len(arrays[0]) == len(arrays[1]) == len(arrays[2]):
-        raise ValueError(f"batch_sizes, seq_lens, times_ms must have equal length, got "
-                         f"{len(arrays[0])}, {len(arrays[1])}, {len(arrays[2])}")
-    return tuple(arrays)
+    b, s, t = (_positive_1d(name, values) for name, values in
+               (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("times_ms", times_ms)))
+    if not len(b) == len(s) == len(t):
+        raise ValueError(f"batch_sizes, seq_lens, times_ms must have equal length, got {len(b)}, {len(s)}, {len(t)}")
+    return b, s, t
 
 
 class CostModel:

@@ -20,13 +20,12 @@ carries its bucket's k under DEPTH_BATCH_KEY for `PerBucketCheckpointing`.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-from lightning_adaptiveload._validation import require_int
+from lightning_adaptiveload._validation import is_positive_number, require_int
 
 # Batch entry holding how many of the model's blocks the step checkpoints (a Python int; absent: all).
 DEPTH_BATCH_KEY = "ac_blocks"
@@ -121,11 +120,9 @@ def _budget(memory_model: MemoryModel, cost_model, device_memory_bytes: float, m
     if getattr(cost_model, "num_blocks", None) != memory_model.num_blocks:
         raise ValueError(f"cost_model.num_blocks ({getattr(cost_model, 'num_blocks', None)!r}) must equal "
                          f"memory_model.num_blocks ({memory_model.num_blocks})")
-    if isinstance(device_memory_bytes, bool) or not (isinstance(device_memory_bytes, numbers.Real)
-                                                     and device_memory_bytes > 0):
+    if not is_positive_number(device_memory_bytes):
         raise ValueError(f"device_memory_bytes must be a number > 0, got {device_memory_bytes!r}")
-    if isinstance(max_memory_fraction, bool) or not (isinstance(max_memory_fraction, numbers.Real)
-                                                     and 0 < max_memory_fraction <= 1):
+    if not (is_positive_number(max_memory_fraction) and max_memory_fraction <= 1):
         raise ValueError(f"max_memory_fraction must be in (0, 1], got {max_memory_fraction!r}")
     return float(device_memory_bytes) * float(max_memory_fraction)
 

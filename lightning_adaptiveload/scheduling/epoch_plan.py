@@ -28,6 +28,9 @@ import numpy as np
 from lightning_adaptiveload._validation import require_int
 from lightning_adaptiveload.scheduling.policies import batch_costs
 
+# EpochPlan.stats keys of the samples an epoch leaves out, per reason (docs/data.md explains each).
+DROP_COUNTERS = ("dropped_oversize", "dropped_partial_batch", "dropped_step_remainder")
+
 
 @dataclass(frozen=True)
 class EpochPlan:

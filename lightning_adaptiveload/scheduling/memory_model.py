@@ -35,10 +35,10 @@ import numpy as np
 from scipy.optimize import nnls
 
 from lightning_adaptiveload.scheduling.cost_model import (
-    QUALITY_KEYS, _check_header, _check_params, _check_quality, _folds, _nan_to_none, _read_json, _rel_err,
-    _write_json, check_depths, fit_quality,
+    QUALITY_KEYS, _check_header, _check_params, _check_quality, _folds, _nan_to_none, _positive_1d, _read_json,
+    _rel_err, _write_json, check_depths, fit_quality,
 )
-from lightning_adaptiveload._validation import require_int
+from lightning_adaptiveload._validation import require_choice, require_int
 
 FORMAT = "adaptiveload.memory_model"
 VERSION = 1
@@ -95,15 +95,8 @@ def _fit_form(form: str, num_blocks: int, b, s, u, peak) -> tuple[dict, dict]:
 
 
 def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks):
-    arrays = []
-    for name, values in (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("peak_bytes", peak_bytes)):
-        a = np.asarray(values, dtype=np.float64)
-        if a.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-        if not np.all(np.isfinite(a) & (a > 0)):
-            raise ValueError(f"{name} must be finite and > 0, got {a[~(np.isfinite(a) & (a > 0))][:3].tolist()}")
-        arrays.append(a)
-    b, s, peak = arrays
+    b, s, peak = (_positive_1d(name, values) for name, values in
+                  (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("peak_bytes", peak_bytes)))
     k = check_depths(checkpointed, num_blocks)
     if k.ndim != 1 or not len(b) == len(s) == len(k) == len(peak):
         raise ValueError(f"batch_sizes, seq_lens, checkpointed, peak_bytes must be 1-D of equal length, got "
@@ -120,8 +113,7 @@ class MemoryModel:
 
     def __init__(self, form: str, params: dict, num_blocks: int, quality: dict | None = None,
                  candidates: dict | None = None):
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        require_choice("form", form, FORMS)
         _check_params(params, PARAM_NAMES[form], form, "MemoryModel")
         self.form = form
         self.num_blocks = require_int("num_blocks", num_blocks, minimum=0)
@@ -144,8 +136,7 @@ class MemoryModel:
         more points than parameters."""
         num_blocks = require_int("num_blocks", num_blocks, minimum=0)
         b, s, k, peak = _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks)
-        if form != "auto" and form not in FORMS:
-            raise ValueError(f"form must be 'auto' or one of {FORMS}, got {form!r}")
+        require_choice("form", form, ("auto", *FORMS))
         wanted = [f for f in FORMS if form in ("auto", f)]
         enough = [f for f in wanted if len(peak) >= len(_fitted_names(f, num_blocks)) + 2]
         if not enough:

@@ -70,9 +70,12 @@ class StreamSchedule:
             return int(self.memory_plan.choose(np.array([seq_len]), max_tokens=self.m_mem).batch_size[0])
         return int(batch_sizes(np.array([seq_len]), self.policy, self.m_mem, self.m_comp, self.p)[0])
 
-    def batch_class(self, seq_len: int) -> int:
-        """Cost class of a full batch of `seq_len` tokens (clipped to the schedule's classes)."""
-        cost = float(batch_costs(np.array([self.batch_size(seq_len)]), np.array([seq_len]), self.p, self.cost_model)[0])
+    def batch_class(self, seq_len: int, batch_size: int | None = None) -> int:
+        """Cost class of a full batch of `seq_len` tokens (clipped to the schedule's classes);
+        `batch_size`: its `batch_size(seq_len)` when the caller has it already (under a memory plan
+        that is a depth choice, not a formula)."""
+        batch_size = self.batch_size(seq_len) if batch_size is None else batch_size
+        cost = float(batch_costs(np.array([batch_size]), np.array([seq_len]), self.p, self.cost_model)[0])
         c = math.floor(math.log(max(cost, self.cost_min) / self.cost_min) / self.log_width)
         return min(c, len(self.class_prob) - 1)
 
@@ -214,7 +217,7 @@ class _Buffer:
         if s not in self.queues:
             self.queues[s] = deque()
             self.batch[s] = self.schedule.batch_size(s)
-            self.klass[s] = self.schedule.batch_class(s)
+            self.klass[s] = self.schedule.batch_class(s, self.batch[s])
         size = int(self.nbytes(sample))
         self.queues[s].append((sample, size))
         self.samples += 1

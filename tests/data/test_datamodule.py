@@ -11,17 +11,8 @@ from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.shards import write_shard
 from lightning_adaptiveload.scheduling.buckets import schedule_keys
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
-from tests.helpers.data import (C, D_TEXT, L_TEXT, SHAPES, KeyRecorder, tokens_ref, trainer, write_dataset,
-                                write_index_lines)
-
-
-def make_dm(root, **kw):
-    args = dict(shards=str(root), index=str(root / "index.jsonl"), policy="token_equal", m_mem=128,
-                latent_channels=C, text_len=L_TEXT, text_dim=D_TEXT, num_workers=0, seed=3)
-    args.update(kw)
-    dm = AdaptiveLoadDataModule(**args)
-    dm.setup("fit")
-    return dm
+from tests.helpers.data import (C, D_TEXT, L_TEXT, SHAPES, KeyRecorder, indexed_datamodule, tokens_ref, trainer,
+                                write_dataset, write_index_lines)
 
 
 def epoch_batches(dm, epoch=0):
@@ -33,7 +24,7 @@ def epoch_batches(dm, epoch=0):
 @pytest.mark.parametrize("policy,num_workers", [("token_equal", 0), ("balanced", 0), ("token_equal", 2)])
 def test_map_style_batches_equal_written_arrays(tmp_path, policy, num_workers):
     written = write_dataset(tmp_path, n=60)
-    dm = make_dm(tmp_path, policy=policy, p=1.5, m_comp=500.0, num_workers=num_workers)
+    dm = indexed_datamodule(tmp_path, policy=policy, p=1.5, m_comp=500.0, num_workers=num_workers)
     batches = epoch_batches(dm)
     seen = []
     for b in batches:
@@ -57,7 +48,7 @@ def test_map_style_batches_equal_written_arrays(tmp_path, policy, num_workers):
 
 def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
     write_dataset(tmp_path, n=90)
-    dm = make_dm(tmp_path, m_mem=200)
+    dm = indexed_datamodule(tmp_path, m_mem=200)
     table = dm.bucket_table().rows()
     assert [r["latent_shape"] for r in table if tokens_ref(*r["latent_shape"]) == 8] == [(1, 4, 8), (1, 8, 4)]
     assert sorted(r["seq_len"] for r in table) == list(dm.bucket_seq_lens())
@@ -68,15 +59,15 @@ def test_mixed_shape_collision_batches_are_single_shape(tmp_path):
 def test_config_checks_at_setup_are_counted(tmp_path, caplog):
     written = write_dataset(tmp_path, n=40)
     tokens = {k: tokens_ref(*lat.shape[1:]) for k, (lat, _) in written.items()}
-    assert dict(make_dm(tmp_path, max_seq_len=100).skipped) == {}  # longest is (5, 8, 8) = 80 tokens
+    assert dict(indexed_datamodule(tmp_path, max_seq_len=100).skipped) == {}  # longest is (5, 8, 8) = 80 tokens
     with caplog.at_level("WARNING"):
-        dm = make_dm(tmp_path, max_seq_len=30, m_mem=64)
+        dm = indexed_datamodule(tmp_path, max_seq_len=30, m_mem=64)
     assert dm.skipped == {"over_max_seq_len": sum(t > 30 for t in tokens.values())} and "over_max_seq_len" in caplog.text
     assert sum(r["samples"] for r in dm.bucket_table().rows()) == sum(t <= 30 for t in tokens.values())
     assert {r["latent_shape"] for r in dm.bucket_table().rows()} == {s for s in SHAPES if tokens_ref(*s) <= 30}
-    dm = make_dm(tmp_path, text_dim=7)  # samples with an 8-wide text embedding no longer fit
+    dm = indexed_datamodule(tmp_path, text_dim=7)  # samples with an 8-wide text embedding no longer fit
     assert dm.skipped == {"bad_text": sum(t is not None for _, t in written.values())}
-    resized = make_dm(tmp_path, max_seq_len=30, oversize="resize")
+    resized = indexed_datamodule(tmp_path, max_seq_len=30, oversize="resize")
     assert "over_max_seq_len" not in resized.skipped
     seen = 0
     for b in epoch_batches(resized):
@@ -87,7 +78,7 @@ def test_config_checks_at_setup_are_counted(tmp_path, caplog):
 
 def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
     write_dataset(tmp_path, n=40, shards=2)
-    dm = make_dm(tmp_path, m_mem=400)
+    dm = indexed_datamodule(tmp_path, m_mem=400)
     # corrupt the latent bytes of one scheduled sample (in a batch of >= 2) after indexing
     batch = next(b for b in dm.train_dataloader().batch_sampler if len(b) >= 2)
     row = dm.source.dataset.index[batch[0]]
@@ -112,7 +103,7 @@ def test_runtime_read_failure_skipped_and_counted(tmp_path, caplog):
 
 def test_synthetic_batch_structure_equals_real_batch(tmp_path):
     write_dataset(tmp_path, n=40)
-    dm = make_dm(tmp_path, m_mem=200)
+    dm = indexed_datamodule(tmp_path, m_mem=200)
     real = epoch_batches(dm)[0]
     synth = dm.synthetic_batch(real["latent_shape"], 3)
     assert synth.keys() == real.keys()
@@ -132,7 +123,7 @@ def test_synthetic_batch_structure_equals_real_batch(tmp_path):
 def test_set_cost_model_rebuilds_bucket_table(tmp_path):
     from lightning_adaptiveload.scheduling.cost_model import CostModel
     write_dataset(tmp_path, n=40)
-    dm = make_dm(tmp_path, policy="dual_constraint", m_mem=256)
+    dm = indexed_datamodule(tmp_path, policy="dual_constraint", m_mem=256)
     rng = np.random.default_rng(0)
     b = rng.integers(1, 16, size=40)
     s = rng.integers(4, 100, size=40)
@@ -149,7 +140,7 @@ def test_set_cost_model_rebuilds_bucket_table(tmp_path):
 
 def test_set_cost_model_warns_when_m_mem_drops_below_buckets(tmp_path, caplog):
     write_dataset(tmp_path, n=40)
-    dm = make_dm(tmp_path, m_mem=256)
+    dm = indexed_datamodule(tmp_path, m_mem=256)
     with caplog.at_level("WARNING"):
         dm.set_cost_model(None, m_mem=64)  # (5, 8, 8) = 80 tokens > 64
     assert "m_mem is now 64 tokens but buckets up to 80" in caplog.text
@@ -157,18 +148,18 @@ def test_set_cost_model_warns_when_m_mem_drops_below_buckets(tmp_path, caplog):
 
 def test_setup_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing or unreadable"):
-        make_dm(tmp_path, shards=str(tmp_path / "nope-{0..3}.tar"))
+        indexed_datamodule(tmp_path, shards=str(tmp_path / "nope-{0..3}.tar"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .tar"):
-        make_dm(tmp_path / "empty")
+        indexed_datamodule(tmp_path / "empty")
     write_dataset(tmp_path / "d", n=10)
     (tmp_path / "d" / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="lists no samples"):
-        make_dm(tmp_path / "d", index=str(tmp_path / "d" / "empty.jsonl"))
+        indexed_datamodule(tmp_path / "d", index=str(tmp_path / "d" / "empty.jsonl"))
     with pytest.raises(ValueError, match="outside `shards`"):
-        make_dm(tmp_path / "d", shards=str(tmp_path / "d" / "shard-0000.tar"))
+        indexed_datamodule(tmp_path / "d", shards=str(tmp_path / "d" / "shard-0000.tar"))
     with pytest.raises(ValueError, match="fits this configuration"):
-        make_dm(tmp_path / "d", latent_channels=3)
+        indexed_datamodule(tmp_path / "d", latent_channels=3)
     with pytest.raises(ValueError, match="policy"):
         AdaptiveLoadDataModule(shards="x", policy="fastest")
     with pytest.raises(ValueError, match="m_mem"):
@@ -200,7 +191,7 @@ def test_mid_epoch_resume_sees_each_sample_once(tmp_path, num_workers):
     write_dataset(tmp_path / "data", n=80)
     dm_args = dict(num_workers=num_workers)
     full = KeyRecorder()
-    trainer(tmp_path / "full", max_epochs=1).fit(full, make_dm(tmp_path / "data", **dm_args))
+    trainer(tmp_path / "full", max_epochs=1).fit(full, indexed_datamodule(tmp_path / "data", **dm_args))
     epoch_keys = [k for ks in full.keys for k in ks]
     steps = len(full.keys)
     assert steps >= 8 and len(epoch_keys) == len(set(epoch_keys))
@@ -208,13 +199,14 @@ def test_mid_epoch_resume_sees_each_sample_once(tmp_path, num_workers):
     stop = steps // 2 - 1
     first = KeyRecorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=stop, save_top_k=-1)
-    trainer(tmp_path / "a", max_steps=stop, callbacks=[ckpt]).fit(first, make_dm(tmp_path / "data", **dm_args))
+    trainer(tmp_path / "a", max_steps=stop, callbacks=[ckpt]).fit(first,
+                                                                  indexed_datamodule(tmp_path / "data", **dm_args))
     assert len(first.keys) == stop
     path = next((tmp_path / "ckpt").glob(f"*step={stop}.ckpt"))
     assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
 
     second = KeyRecorder()
-    trainer(tmp_path / "b", max_epochs=1).fit(second, make_dm(tmp_path / "data", **dm_args), ckpt_path=path)
+    trainer(tmp_path / "b", max_epochs=1).fit(second, indexed_datamodule(tmp_path / "data", **dm_args), ckpt_path=path)
     resumed = [k for ks in first.keys + second.keys for k in ks]
     assert len(first.keys) + len(second.keys) == steps
     assert len(resumed) == len(set(resumed))  # nothing repeated
@@ -224,11 +216,11 @@ def test_mid_epoch_resume_sees_each_sample_once(tmp_path, num_workers):
 def test_epochs_reshuffle_and_trainer_sets_epoch(tmp_path):
     write_dataset(tmp_path / "data", n=60)
     model = KeyRecorder()
-    trainer(tmp_path, max_epochs=2).fit(model, make_dm(tmp_path / "data"))
+    trainer(tmp_path, max_epochs=2).fit(model, indexed_datamodule(tmp_path / "data"))
     half = len(model.keys) // 2
     e0, e1 = model.keys[:half], model.keys[half:]
     assert e0 != e1  # set_epoch reached the sampler: a new order
-    dm = make_dm(tmp_path / "data")
+    dm = indexed_datamodule(tmp_path / "data")
     assert [b["keys"] for b in epoch_batches(dm, epoch=1)] == e1
 
 
@@ -247,7 +239,7 @@ def test_setup_checks_equal_per_sample_reference(tmp_path):
               "text_shape": None if rng.random() < 0.5 else [L_TEXT, int(rng.choice([D_TEXT, D_TEXT, 7]))]}
              for i in range(300)]
     write_index_lines(tmp_path / "index.jsonl", lines)
-    dm = make_dm(tmp_path, max_seq_len=30, oversize="resize")
+    dm = indexed_datamodule(tmp_path, max_seq_len=30, oversize="resize")
     kept, thw, tokens, skipped = [], [], [], Counter()
     for line in lines:
         try:
@@ -288,7 +280,7 @@ def test_spawned_workers_read_correct_samples(tmp_path):
     """A worker started by spawn gets a pickled dataset: it must open shards itself, not reuse
     descriptor numbers of the parent (which name other files there)."""
     written = write_dataset(tmp_path, n=30, shards=3)
-    dm = make_dm(tmp_path, m_mem=200, num_workers=2)
+    dm = indexed_datamodule(tmp_path, m_mem=200, num_workers=2)
     for i in range(len(dm.source.dataset)):  # the main process opens every shard
         dm.source.dataset[i]
     loader = torch.utils.data.DataLoader(dm.source.dataset, batch_size=None, num_workers=1,
@@ -306,6 +298,6 @@ def test_shards_and_index_through_a_symlinked_folder(tmp_path):
     given as the link; both name the same shards (was: "refers to samples outside `shards`")."""
     written = write_dataset(tmp_path / "real", n=30)
     (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
-    dm = make_dm(tmp_path / "link", m_mem=200)
+    dm = indexed_datamodule(tmp_path / "link", m_mem=200)
     keys = [k for b in epoch_batches(dm) for k in b["keys"]]
     assert len(keys) == len(set(keys)) and set(keys) <= set(written)

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.data.ddp_drop_last_script import DATA_KWARGS, EPOCHS, WATCHDOG_S
-from tests.data.test_datamodule import make_dm
-from tests.helpers.data import write_dataset
+from tests.helpers.data import indexed_datamodule, write_dataset
 
 TESTS = Path(__file__).resolve().parent
 
@@ -22,7 +21,7 @@ def epochs_per_rank(dm_args: dict, root, world: int, epochs: int) -> tuple[list,
     keys = [[None] * world for _ in range(epochs)]
     counters = [[None] * world for _ in range(epochs)]
     for rank in range(world):
-        dm = make_dm(root, **dm_args)
+        dm = indexed_datamodule(root, **dm_args)
         epoch = [0]
         loader = dm.build_train_loader(world, rank, epoch_fn=lambda: epoch[0])
         for e in range(epochs):
@@ -62,7 +61,7 @@ def test_counters_and_the_epoch_log_line(tmp_path, monkeypatch):
     said = []
     monkeypatch.setattr(map_style, "rank_zero_info", said.append)
     write_dataset(tmp_path, n=70)
-    dm = make_dm(tmp_path, max_seq_len=30, m_mem=64)  # (3, 6, 6), (1, 6, 18), (5, 8, 8) exceed 30 tokens
+    dm = indexed_datamodule(tmp_path, max_seq_len=30, m_mem=64)  # (3, 6, 6), (1, 6, 18), (5, 8, 8) exceed 30 tokens
     assert dm.counters() == {"dropped_oversize": 0, "dropped_partial_batch": 0, "dropped_step_remainder": 0,
                              "skipped/over_max_seq_len": dm.skipped["over_max_seq_len"]}
     loader = dm.build_train_loader(2, 0)
@@ -76,7 +75,7 @@ def test_counters_and_the_epoch_log_line(tmp_path, monkeypatch):
     assert f"trains {stats['samples_scheduled']} of {stats['samples_total']} samples" in said[0]
     list(dm.build_train_loader(2, 1))
     assert len(said) == 1  # said once, by rank 0
-    list(make_dm(tmp_path, max_seq_len=30, m_mem=64, drop_last=False).build_train_loader(2, 0))
+    list(indexed_datamodule(tmp_path, max_seq_len=30, m_mem=64, drop_last=False).build_train_loader(2, 0))
     assert len(said) == 1  # nothing left out: nothing said
 
 

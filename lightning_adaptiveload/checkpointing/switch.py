@@ -26,7 +26,6 @@ block.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import numbers
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -36,6 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lightning_adaptiveload._imports import import_object
 
 # BATCH_KEY: the batch entry saying how many blocks the step checkpoints (an int; absent = all),
 # which the DataModule writes under a memory plan
@@ -70,13 +71,7 @@ def resolve_block_classes(spec) -> tuple[type[nn.Module], ...]:
         raise ValueError("block_classes is empty: name at least one block class")
     classes = []
     for item in items:
-        cls = item
-        if isinstance(item, str):
-            module_name, _, attr = item.rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(module_name), attr) if module_name else None
-            except (ImportError, AttributeError) as e:
-                raise ValueError(f"block class {item!r} cannot be imported ({type(e).__name__}: {e})") from None
+        cls = import_object(item, "block class") if isinstance(item, str) else item
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(f"block class {item!r} is not a torch.nn.Module subclass (use a class or 'pkg.mod.Class')")
         classes.append(cls)

@@ -2,39 +2,15 @@
 `register_adaln_patterns`) and per-call extras, given as AdaLNPattern objects or import paths."""
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import Union
 
+from lightning_adaptiveload._imports import import_object
 from lightning_adaptiveload.surgery.core import AdaLNPattern
 
 PatternSpec = Union[AdaLNPattern, str, Iterable["PatternSpec"]]
 
 _REGISTRY: dict[str, AdaLNPattern] = {}
-
-
-def _import_path(path: str) -> object:
-    """The object at 'package.module.NAME' (or 'package.module.Class.NAME')."""
-    parts = path.split(".")
-    errors = []
-    for split in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:split])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name is None or not module_name.startswith(error.name):
-                raise ValueError(f"AdaLN pattern path {path!r}: importing {module_name!r} failed: {error}") from error
-            errors.append(f"{module_name}: {error}")
-            continue
-        except ImportError as error:  # the module exists but does not import: say why
-            raise ValueError(f"AdaLN pattern path {path!r}: importing {module_name!r} failed: {error}") from error
-        try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            raise ValueError(f"AdaLN pattern path {path!r}: module {module_name!r} has no {'.'.join(parts[split:])!r}") from None
-        return obj
-    raise ValueError(f"AdaLN pattern path {path!r} is not an importable 'module.NAME' ({'; '.join(errors) or 'no module part'})")
 
 
 def resolve_patterns(spec: PatternSpec | None) -> list[AdaLNPattern]:
@@ -44,7 +20,7 @@ def resolve_patterns(spec: PatternSpec | None) -> list[AdaLNPattern]:
     if spec is None:
         return []
     if isinstance(spec, str):
-        resolved = _import_path(spec)
+        resolved = import_object(spec, "AdaLN pattern path")
         if isinstance(resolved, str) or not isinstance(resolved, (AdaLNPattern, Iterable)):
             raise TypeError(f"AdaLN pattern path {spec!r} names a {type(resolved).__name__}, not an AdaLNPattern or a list of them")
         return resolve_patterns(resolved)

@@ -191,7 +191,7 @@ def test_resolve_block_classes():
     assert resolve_block_classes("tests.checkpointing.toy.ToyBlock") == (ToyBlock,)
     assert resolve_block_classes(["torch.nn.Linear", ToyBlock]) == (nn.Linear, ToyBlock)
     for bad, message in (("tests.checkpointing.toy.Nope", "cannot be imported"), ("no_such_module.Block", "cannot"),
-                         ("ToyBlock", "not a torch.nn.Module"), (int, "not a torch.nn.Module"), ([], "empty")):
+                         ("ToyBlock", "no module part"), (int, "not a torch.nn.Module"), ([], "empty")):
         with pytest.raises(ValueError, match=message):
             resolve_block_classes(bad)
 

@@ -303,7 +303,7 @@ def test_pattern_api_registration_and_import_paths(monkeypatch):
         apply_fused_adaln(tiny_video_dit(), extra_patterns="examples.video_dit.surgery.NOPE")
     with pytest.raises(TypeError, match="names a str, not an AdaLNPattern"):
         registry.resolve_patterns("examples.video_dit.surgery.CHECKED_AT")
-    with pytest.raises(ValueError, match="not an importable"):
+    with pytest.raises(ValueError, match="no .module.NAME. in it"):
         registry.resolve_patterns("no_such_package.PATTERNS")
     with pytest.raises(ValueError, match="checked must be a non-empty dict"):
         core.AdaLNPattern("x", "X", video_dit.head_forward, {}, lambda m: None)

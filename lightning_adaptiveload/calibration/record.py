@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import tempfile
@@ -85,8 +84,3 @@ def write_json(path: Path, doc: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def finite_or_none(values: dict) -> dict:
-    """JSON has no NaN: unknown quality numbers are written as null."""
-    return {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in values.items()}

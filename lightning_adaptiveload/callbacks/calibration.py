@@ -34,7 +34,7 @@ from lightning_adaptiveload.calibration.fit import (DEFAULT_MAX_HELDOUT_ERROR, D
 from lightning_adaptiveload.calibration.grid import (calibration_grid, predicted_depth_peak_bytes, predicted_peak_bytes,
                                                      required_points, seq_len_grid)
 from lightning_adaptiveload.calibration.memory import OptimizerMemory, device_memory_bytes, optimizer_memory
-from lightning_adaptiveload.calibration.record import (FORMAT, INFEASIBLE, VERSION, finite_or_none, model_fingerprint,
+from lightning_adaptiveload.calibration.record import (FORMAT, INFEASIBLE, VERSION, model_fingerprint,
                                                        read_cache, write_json)
 from lightning_adaptiveload.calibration.runner import StepRunner, agree
 from lightning_adaptiveload.calibration.warmup import warm_shapes
@@ -439,8 +439,7 @@ class CostModelCalibration(Callback):
             "m_mem": self.measured_m_mem,
             "peak_unit": ("bytes saved for backward (CPU estimate)" if key["device"] == "cpu"
                           else "bytes (CUDA max_memory_allocated)"),
-            "cost_model": None if cm is None else {"form": cm.form, "params": cm.params, "p": cm.p,
-                                                   "quality": finite_or_none(cm.quality)},
+            "cost_model": None if cm is None else cm.to_dict(),
             # `measurements` holds the feasible points the cost model is fitted to (every block
             # checkpointed), in the format cost_model.load_cost_model reads
             "measurements": [p for p in self.points if p["status"] == "ok" and p.get("checkpointed") == full],

@@ -71,7 +71,9 @@ class LoadBalanceMonitor(Callback):
     """Logs cross-rank load balance and step time of every train batch (see module docstring).
 
     cost_model: predicts a batch's compute time in ms from (B, S) (`CostModel.predict`); if None,
-    `trainer.datamodule.cost_model` is used, else the proxy B * S^2 (tokens^2, the attention term).
+    the DataModule's `step_cost_model()` (what its schedule prices batches by; at each bucket's
+    checkpointing depth under a memory plan) or its `cost_model` is used, else the proxy B * S^2
+    (tokens^2, the attention term).
     window: steps in the rolling window of `balance/step_time_cv_temporal`.
     sync_cuda: call torch.cuda.synchronize around each step on GPU so the wall time covers the
     step's kernels (it stops the host from running ahead of the GPU at the step boundary).
@@ -97,7 +99,7 @@ class LoadBalanceMonitor(Callback):
     # ---- per-fit state -------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._active_cost_model = (self.cost_model if self.cost_model is not None
-                                   else getattr(trainer.datamodule, "cost_model", None))
+                                   else _scheduling_cost_model(trainer.datamodule))
         self.load_unit = "ms (cost model)" if self._active_cost_model is not None else PROXY_LOAD_UNIT
         self._device = trainer.strategy.root_device
         self._sync = self.sync_cuda and self._device.type == "cuda"
@@ -297,3 +299,10 @@ def _recompile_limit() -> str:
 
     config = torch._dynamo.config
     return str(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", "unknown")))
+
+
+def _scheduling_cost_model(datamodule):
+    """The model the DataModule schedules with: its `step_cost_model()` where it has one (ours), else
+    its `cost_model` attribute (a user's DataModule that CostModelCalibration sets one on), else None."""
+    step_cost_model = getattr(datamodule, "step_cost_model", None)
+    return step_cost_model() if callable(step_cost_model) else getattr(datamodule, "cost_model", None)

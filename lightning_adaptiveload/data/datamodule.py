@@ -203,6 +203,14 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             raise RuntimeError("bucket_table() needs setup() first")
         return BucketTable.build(self.mix.tokens, self.mix.counts, self.mix.latent_thw, **self._scheduling())
 
+    def step_cost_model(self):
+        """What the schedule prices a batch of (B, S) by, in ms (and `LoadBalanceMonitor` its load):
+        under a memory plan the step time at the checkpointing depth of the bucket scheduled at S
+        (`BucketTable.step_cost_model`), else `cost_model` (None before one is set)."""
+        if self.memory_plan is None:
+            return self.cost_model
+        return self.bucket_table().step_cost_model(self.cost_model)
+
     def set_cost_model(self, cost_model: CostModel | None, m_mem: int | None = None, policy: str | None = None) -> None:
         """Use `cost_model` (and `m_mem`, tokens; `policy`) for batch sizes from now on, without a
         memory plan (call set_memory_plan after it for one); call before the train loader is built

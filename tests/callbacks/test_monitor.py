@@ -122,6 +122,28 @@ def test_gathered_rows_of_every_strategy_shape():
         gathered_rows(torch.stack(per_rank), per_rank[0].shape, 3)
 
 
+class ScheduledData(TinyData):
+    """A DataModule whose schedule prices batches by another model than its `cost_model` (ours under
+    a memory plan: the time at each bucket's checkpointing depth)."""
+
+    def step_cost_model(self):
+        return HalfCost()
+
+
+class HalfCost(AffineCost):
+    def predict(self, batch_size, seq_len):
+        return 0.5 * super().predict(batch_size, seq_len)
+
+
+def test_load_is_priced_as_the_datamodule_schedules(tmp_path):
+    trainer = _fit(tmp_path, LoadBalanceMonitor(window=4), ScheduledData(cost_model=AffineCost()))
+    rows = _read_csv(f"{trainer.logger.log_dir}/{CSV_NAME}")
+    assert len(rows) == len(SHAPES)
+    for r, (b, t, h, w) in zip(rows, SHAPES):
+        s = t * (h // 2) * (w // 2)
+        assert float(r["load"]) == pytest.approx(0.5 * AffineCost().predict(b, s), rel=1e-5)
+
+
 def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys):
     monitor = LoadBalanceMonitor(window=4, busy_every_n_logs=1)
     trainer = _fit(tmp_path, monitor, TinyData(cost_model=AffineCost()))

@@ -51,6 +51,13 @@ def test_map_style_batches_follow_the_plan_and_long_samples_fit_or_are_counted(t
     shapes = dm.scheduled_batch_shapes()
     depth = {r["latent_shape"]: r["checkpointed"] for r in table.rows()}
     assert shapes and all(isinstance(s, ScheduledShape) and s.checkpointed == depth[s.latent_shape] for s in shapes)
+    # what the monitor prices batches by: the time at each bucket's k, as the plan does (k = 2 for LONG, not L)
+    price = dm.step_cost_model()
+    for r in table.rows():
+        assert price.predict(r["batch_size"], r["seq_len"]) == pytest.approx(
+            float(TIME.predict(r["batch_size"], r["seq_len"], r["checkpointed"])), rel=1e-12)
+    long_row = {r["latent_shape"]: r for r in table.rows()}[LONG]
+    assert price.predict(1, long_row["seq_len"]) < TIME.base.predict(1, long_row["seq_len"])
 
     with caplog.at_level(logging.WARNING):
         dm.set_memory_plan(TIME, MEMORY, NOT_LONG, 0.85)

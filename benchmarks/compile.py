@@ -19,7 +19,9 @@ Modes (each in a fresh process, so no compiled graph or cuDNN plan is shared bet
   dynamic, dynamic+surgery             block.compile(dynamic=True): dynamic from the first shape
 Per mode: steady-state tokens/s (tokens over the sum of each shape's median steady step time),
 first-pass time, compile time (first-pass step minus steady step, summed over shapes), graphs
-compiled, recompiles and graph breaks after the first pass (dynamo's counters), peak memory.
+compiled, recompiles and graph breaks after the first pass (dynamo's counters), peak memory; and per
+mode against eager, after how many samples of the mix its extra first-pass time is paid back by its
+steady-state saving (`amortisation`).
 """
 from __future__ import annotations
 
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
               f"compile {result['compile_s']:.1f} s, graphs {result['graphs_compiled']}, recompiles after pass 1 "
               f"{result['recompiles_after_first_pass']}", flush=True)
     eager = next((r for r in results if r["mode"] == "eager"), None)
+    if eager is not None:
+        doc["amortisation"] = amortisation(results, eager, args.m_mem)
+        write()
     print(f"\n{'mode':<16} {'tokens/s':>10} {'vs eager':>8} {'1st pass s':>10} {'compile s':>9} {'graphs':>6} "
           f"{'recomp.':>7} {'breaks':>6} {'peak GiB':>8}")
     for r in results:
@@ -207,8 +212,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['mode']:<16} {r['steady_tokens_per_s']:>10.0f} {ratio:>8.3f} {r['first_pass_s']:>10.1f} "
               f"{r['compile_s']:>9.1f} {r['graphs_compiled']:>6} {r['recompiles_after_first_pass']:>7} "
               f"{r['graph_breaks']:>6} {peak}")
+    for mode, a in doc.get("amortisation", {}).get("modes", {}).items():
+        print(f"{mode}: {a['extra_first_pass_s']:.1f} s more than eager's first pass, paid back after "
+              + (f"{a['break_even_samples']:.0f} samples ({100 * a['fraction_of_epoch']:.1f}% of a "
+                 f"{EPOCH_SAMPLES}-sample epoch)" if a["break_even_samples"] is not None else "never (not faster)"))
     print(f"wrote {args.out}")
     return 1 if failed else 0
+
+
+EPOCH_SAMPLES = 100_000
+
+
+def amortisation(results: list[dict], eager: dict, m_mem: int) -> dict:
+    """When does each mode's extra first-pass time (its first pass minus eager's: compilation, net of
+    the cold cuDNN graphs eager pays too) pay for itself through its faster steady state? In samples of
+    the reference mix (those <= m_mem, at the mix's mean tokens per sample), against an epoch of
+    EPOCH_SAMPLES. Regional compilation compiles one graph per shape for all blocks, so the compile
+    time barely grows with the number of blocks while the saving does: a model with more blocks than
+    this run's pays back sooner."""
+    from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
+
+    mix = read_shapes_jsonl(REPO / "lightning_adaptiveload" / "data" / "reference_mix.jsonl", TokenSpec())
+    kept = mix.tokens <= m_mem
+    tokens_per_sample = float(np.average(mix.tokens[kept], weights=mix.counts[kept]))
+    modes = {}
+    for r in results:
+        if r is eager:
+            continue
+        saved_s_per_token = 1 / eager["steady_tokens_per_s"] - 1 / r["steady_tokens_per_s"]
+        extra_s = r["first_pass_s"] - eager["first_pass_s"]
+        samples = max(extra_s, 0.0) / saved_s_per_token / tokens_per_sample if saved_s_per_token > 0 else None
+        modes[r["mode"]] = {"extra_first_pass_s": extra_s, "saved_ms_per_sample": 1e3 * saved_s_per_token
+                            * tokens_per_sample, "break_even_samples": samples,
+                            "fraction_of_epoch": samples / EPOCH_SAMPLES if samples is not None else None}
+    return {"epoch_samples": EPOCH_SAMPLES, "mix_tokens_per_sample": tokens_per_sample, "modes": modes}
 
 
 if __name__ == "__main__":

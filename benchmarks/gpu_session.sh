@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh setup tests host compile        # e.g. carry .whl
 # Stages:
 #   setup    wheels from .whl (webdataset, jsonargparse, diffusers, ... missing on the image), the
-#            CUDA extension built in place (sm_90), the op's backend
+#            CUDA extension built in place (sm_90) unless a carried build loads, the op's backend
 #   tests    every test marked `cuda` (pytest -m cuda), log kept
 #   host     benchmarks/adaln_host.py: host cost of the fused op per call
 #   compile  benchmarks/compile.py: eager vs regional compile strategies, +- surgery
@@ -52,8 +52,10 @@ for stage in "$@"; do
   case $stage in
     setup)
       note "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1); $(python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())')"
-      if ! python3 -c "import lightning_adaptiveload._C" 2>/dev/null; then
+      if ! python3 -c "import torch, lightning_adaptiveload._C" 2>/dev/null; then  # _C links against torch
         run build 300 python3 setup.py build_ext --inplace
+        # the build, for a later call to carry (a fresh machine would spend the build again)
+        cp lightning_adaptiveload/_C*.so "$OUT/build/" 2>/dev/null
       fi
       run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())" ;;
     tests)  # TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran on this commit's csrc
@@ -61,12 +63,12 @@ for stage in "$@"; do
     host)
       run host 90 python3 benchmarks/adaln_host.py --out "$OUT/host/adaln_host_h200.json" ;;
     compile)
-      run compile 330 python3 benchmarks/compile.py --out "$OUT/compile/compile_h200.json" ${COMPILE_ARGS:-} ;;
+      run compile "${COMPILE_LIMIT_S:-330}" python3 benchmarks/compile.py --out "$OUT/compile/compile_h200.json" ${COMPILE_ARGS:-} ;;
     warmup)
       run warmup 270 python3 benchmarks/warmup.py --out "$OUT/warmup/warmup_h200.json" --workdir /tmp/warmup_bench \
         ${WARMUP_ARGS:-} ;;
     memory)
-      run memory 270 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
+      run memory 290 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
     fsdp1)
       # issue 15's failing setup: devices 1 and a 60 s calibration budget, on a fresh machine
       mkdir -p "$OUT/fsdp1"

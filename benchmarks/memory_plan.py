@@ -17,13 +17,17 @@ lightning_adaptiveload.checkpointing.BlockCheckpointing, which checkpoints the f
        token_equal_ac   B = max(1, m_mem // S), k = L; samples over m_mem dropped (the baseline as practiced)
        balanced_ac      the dual-constraint batch sizes balanced schedules (M_comp from the grid's cost
                         model at S_ref = the longest bucket <= m_mem), k = L; samples over m_mem dropped
-       per_bucket       the (B, k) of b); only buckets that fit nowhere are dropped
+       per_bucket       the (B, k) of b); only buckets that fit nowhere are dropped (its tokens/s is also
+                        reported on the samples balanced_ac trains: the longer ones it adds are slower)
      A measurement is reused by every configuration that schedules the same (B, S, k).
 
 Reported per configuration: epoch tokens/s of the mix (sum of n_b * S_b over sum of (n_b / B_b) * t_b,
 n_b the mix's samples of bucket b, t_b the median measured step ms: the epoch's time estimated from
 every bucket's measured step rather than from a short random sequence, whose few steps of each bucket
-would dominate the error), fraction of the mix's samples trained, peak memory (allocated and
+would dominate the error), the epoch's time and its first epoch's (the epoch plus every scheduled
+point's first-step excess over its median: that step ran in the warm-up pass, cold where its (B, S)
+was new to the process, `first_was_new_shape`, and warm where an earlier point had the same (B, S)),
+fraction of the mix's samples trained, peak memory (allocated and
 reserved) of each step, and predicted vs measured peak of every scheduled bucket. Out-of-memory steps
 are caught and recorded. The script stops starting new steps after --deadline-s and writes what it has.
 
@@ -71,8 +75,11 @@ CONFIGS = ("token_equal_ac", "balanced_ac", "per_bucket")
 
 @dataclass
 class Measured:
-    """Every step run at one (B, bucket, k): ms of the timed ones, peak bytes of all."""
+    """Every step run at one (B, bucket, k): ms of the timed ones, peak bytes of all; the first (untimed
+    warm-up) step's ms, and whether its (B, S) was new to the process then (cold cuDNN graphs)."""
     times_ms: list[float] = field(default_factory=list)
+    first_ms: float | None = None
+    first_was_new_shape: bool | None = None
     peaks: list[int] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)
     oom: bool = False
@@ -100,6 +107,7 @@ class Bench:
         self.results: dict[tuple[int, int, int], Measured] = {}
         self.deadline = time.monotonic() + args.deadline_s
         self.steps_run = 0
+        self.shapes_seen: set[tuple[int, int]] = set()
 
     def _inputs(self, batch: int, thw: tuple[int, int, int]):
         def randn(*shape):
@@ -164,6 +172,10 @@ class Bench:
                 record.reserved.append(reserved)
                 if timed:
                     record.times_ms.append(ms)
+                elif record.first_ms is None:
+                    record.first_ms = ms
+                    record.first_was_new_shape = (batch, seq_len) not in self.shapes_seen
+                self.shapes_seen.add((batch, seq_len))
 
     def median_ms(self, key) -> float:
         return float(np.median(self.results[key].times_ms))
@@ -208,7 +220,7 @@ def schedules(tokens, m_mem, choice, cost, num_blocks) -> dict[str, dict[int, tu
 
 
 def summarise(bench: Bench, plan: dict[int, tuple[int, int]], counts: dict[int, int], memory, cost) -> dict:
-    rows, epoch_tokens, epoch_s, trained, peaks, reserved = [], 0.0, 0.0, 0, [], []
+    rows, epoch_tokens, epoch_s, first_excess_s, trained, peaks, reserved = [], 0.0, 0.0, 0.0, 0, [], []
     for s, (b, k) in sorted(plan.items()):
         record = bench.results.get((b, s, k), Measured())
         predicted = memory.predict(b, s, k)
@@ -223,15 +235,19 @@ def summarise(bench: Bench, plan: dict[int, tuple[int, int]], counts: dict[int, 
             reserved.append(max(record.reserved))
         if record.ok:
             ms = bench.median_ms((b, s, k))
-            row |= {"measured_ms": ms, "time_rel_err": (row["predicted_ms"] - ms) / ms, "timed_steps": record.times_ms}
+            row |= {"measured_ms": ms, "time_rel_err": (row["predicted_ms"] - ms) / ms, "timed_steps": record.times_ms,
+                    "first_ms": record.first_ms, "first_was_new_shape": record.first_was_new_shape}
             epoch_tokens += counts[s] * s
             epoch_s += counts[s] / b * ms / 1e3
+            first_excess_s += (record.first_ms - ms) / 1e3
             trained += counts[s]
         rows.append(row)
     errors = [abs(r["peak_rel_err"]) for r in rows if "peak_rel_err" in r]
     return {
         "buckets": rows,
         "epoch_tokens_per_s": epoch_tokens / epoch_s if epoch_s else None,
+        "epoch_s": epoch_s,
+        "first_epoch_s": epoch_s + first_excess_s,
         "fraction_of_mix_trained": trained / sum(counts.values()),
         "buckets_oom": [r["seq_len"] for r in rows if r["status"] == "oom"],
         "buckets_not_run": [r["seq_len"] for r in rows if r["status"] == "not_run"],
@@ -318,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {name: summarise(bench, plans[name], counts, memory, cost) for name in CONFIGS}
     rate = {name: results[name]["epoch_tokens_per_s"] for name in CONFIGS}
+    # per_bucket also trains the samples over m_mem that the others drop; on the same samples alone:
+    same = summarise(bench, {s: v for s, v in plans["per_bucket"].items() if s in plans["balanced_ac"]}, counts,
+                     memory, cost)["epoch_tokens_per_s"]
     summary = {
+        "per_bucket_vs_balanced_ac_same_samples": same / rate["balanced_ac"] - 1 if same and rate["balanced_ac"]
+        else None,
         "per_bucket_vs_balanced_ac": rate["per_bucket"] / rate["balanced_ac"] - 1
         if rate["per_bucket"] and rate["balanced_ac"] else None,
         "per_bucket_vs_token_equal_ac": rate["per_bucket"] / rate["token_equal_ac"] - 1
@@ -354,11 +375,11 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 
 def print_tables(results: dict, summary: dict, budget_bytes: float, num_blocks: int) -> None:
-    print(f"\n{'configuration':16s} {'tokens/s':>10s} {'mix trained':>11s} {'peak GiB':>9s} {'reserved':>9s} "
-          f"{'peak err max %':>14s} {'OOM':>4s}")
+    print(f"\n{'configuration':16s} {'tokens/s':>10s} {'epoch s':>8s} {'1st epoch s':>11s} {'mix trained':>11s} "
+          f"{'peak GiB':>9s} {'reserved':>9s} {'peak err max %':>14s} {'OOM':>4s}")
     for name in CONFIGS:
         r = results[name]
-        print(f"{name:16s} {_fmt(r['epoch_tokens_per_s'], '10.0f')} "
+        print(f"{name:16s} {_fmt(r['epoch_tokens_per_s'], '10.0f')} {r['epoch_s']:8.0f} {r['first_epoch_s']:11.0f} "
               f"{_fmt(r['fraction_of_mix_trained'], '10.1f', 100)}% "
               f"{_fmt(r['max_peak_gib'], '9.2f')} {_fmt(r['max_reserved_gib'], '9.2f')} "
               f"{_fmt(r['peak_rel_err_max'], '14.1f', 100)} {len(r['buckets_oom']):4d}")
@@ -370,7 +391,8 @@ def print_tables(results: dict, summary: dict, budget_bytes: float, num_blocks: 
               f"{row['predicted_peak_gib']:9.2f} {_fmt(row.get('measured_peak_gib'), '9.2f')} "
               f"{_fmt(row.get('peak_rel_err'), '6.1f', 100)} {row['predicted_ms']:8.1f} "
               f"{_fmt(row.get('measured_ms'), '8.1f')}")
-    print(f"\nper_bucket tokens/s vs balanced_ac: {_fmt(summary['per_bucket_vs_balanced_ac'], '+.1f', 100)}%, "
+    print(f"\nper_bucket tokens/s vs balanced_ac: {_fmt(summary['per_bucket_vs_balanced_ac'], '+.1f', 100)}% "
+          f"({_fmt(summary['per_bucket_vs_balanced_ac_same_samples'], '+.1f', 100)}% on the samples both train), "
           f"vs token_equal_ac: {_fmt(summary['per_bucket_vs_token_equal_ac'], '+.1f', 100)}%; "
           f"{summary['steps_run']} steps in {summary['wall_s']:.0f} s"
           + (" (INCOMPLETE: deadline reached)" if summary["incomplete"] else ""))

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-import lightning_adaptiveload
-
 REPO = Path(__file__).resolve().parents[1]
+# A result file names this checkout's commit, so the package measured must be this checkout's, not an
+# installed copy of another commit (`pip install .` copies the package; a benchmark run from the
+# repository root would otherwise import that copy)
+sys.path.insert(0, str(REPO))
+import lightning_adaptiveload  # noqa: E402
 
 
 def git_commit() -> str:
@@ -35,6 +38,10 @@ def run_meta(benchmark: str, **versions: str) -> dict:
     import lightning
     import torch
 
+    package = Path(lightning_adaptiveload.__file__).resolve()
+    if REPO not in package.parents:  # imported before _meta could put this checkout first
+        raise RuntimeError(f"{benchmark}: lightning_adaptiveload was imported from {package.parent}, not from this "
+                           f"checkout ({REPO}); import benchmarks/_meta.py first, or run with PYTHONPATH={REPO}")
     cuda = torch.cuda.is_available()
     meta = {
         "benchmark": benchmark,

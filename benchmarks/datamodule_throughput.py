@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import webdataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
 from lightning_adaptiveload.data.datamodule import REFERENCE_MIX, AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index import build_index
 from lightning_adaptiveload.data.shards import resolve_shards, write_synthetic_shards

@@ -16,12 +16,12 @@ from tests.helpers.data import indexed_datamodule, tokens_ref, write_dataset
 L_BLOCKS = 3
 LONG = (5, 8, 8)  # 80 tokens, longer than M_MEM
 M_MEM = 40
-# bytes: 1000 fixed, 10 per sample, 1 per token, and 2 per token for each un-checkpointed block
+# bytes: 1000 fixed, 10 per sample, 1 per token, and 2 per token for each live block (max(L - k, 1))
 MEMORY = MemoryModel("linear", {"m0": 1000.0, "c": 10.0, "a": 1.0, "c_k": 0.0, "b": 2.0}, num_blocks=L_BLOCKS)
 TIME = DepthCostModel(CostModel("linear_quadratic", {"a": 5.0, "c1": 0.1, "c2": 1e-3}, p=1.2, quality={}),
                       num_blocks=L_BLOCKS, recompute_fraction=0.25)
-FITS_LONG = 1300 / 0.85   # peak(1, 80, L) = 1090 <= 1300: the long sample fits (at k = 2: 1250)
-NOT_LONG = 1080 / 0.85    # below 1090: it fits nowhere
+FITS_LONG = 1300 / 0.85   # peak(1, 80, k) = 1250 <= 1300 at k = L and k = 2 (one live block; k = 1: 1410)
+NOT_LONG = 1200 / 0.85    # below 1250: it fits nowhere; samples up to M_MEM (peak <= 1130) still fit
 
 
 def check_batches(batches, table, written=None):
@@ -65,7 +65,7 @@ def test_map_style_batches_follow_the_plan_and_long_samples_fit_or_are_counted(t
     loader = dm.build_train_loader(1, 0)
     trained = check_batches(list(loader), dm.bucket_table())
     assert not long_keys & trained and loader.batch_sampler.stats["dropped_oversize"] == len(long_keys)
-    assert dm.bucket_table().max_seq_len == MEMORY.max_seq_len(1080) < tokens_ref(*LONG)
+    assert dm.bucket_table().max_seq_len == MEMORY.max_seq_len(1200) < tokens_ref(*LONG)
 
     dm.set_cost_model(TIME.base)  # a new cost model drops the plan: no depth in the batches
     assert dm.memory_plan is None and DEPTH_BATCH_KEY not in next(iter(dm.build_train_loader(1, 0)))

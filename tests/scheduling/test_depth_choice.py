@@ -49,7 +49,8 @@ def test_choice_equals_brute_force_on_random_models(seed):
         ref = brute_force(int(s), memory, cost, 0.9 * device, 40000, 48)
         if ref is None:
             assert not choice.fits[i] and choice.batch_size[i] == 0 and choice.checkpointed[i] == L
-            assert choice.peak_bytes[i] == pytest.approx(memory.predict(1, s, L)) > 0.9 * device
+            assert choice.peak_bytes[i] == pytest.approx(memory.predict(1, s, L))
+            assert memory.predict(1, s, L) > 0.9 * device
             assert np.isnan(choice.time_ms[i])
             continue
         assert choice.fits[i]
@@ -103,13 +104,13 @@ def test_h200_reference_mix_keeps_every_bucket_and_beats_checkpointing_everywher
 def test_bucket_that_fits_nowhere_is_reported():
     memory = MemoryModel("linear", {"m0": 1e9, "c": 1e6, "a": 1e4, "c_k": 1e5, "b": 1e3}, num_blocks=4)
     cost = DepthCostModel(CostModel("power", {"a": 5.0, "b": 1e-3, "p": 1.2}, p=1.2, quality={}), 4, 0.25)
-    fits_one = (2e9 - 1e9 - 1e6) / 1e4  # tokens of the longest sample that fits at B = 1, k = L
+    fits_one = (2e9 - 1e9 - 1e6 - 1e5) / (1e4 + 1e3)  # the longest sample that fits at B = 1, k = L (one live block)
     seq_lens = np.array([1000, int(fits_one) - 10, int(fits_one) + 10])
     choice = choose_batch_and_depth(seq_lens, memory, cost, device_memory_bytes=2e9, max_memory_fraction=1.0,
                                     max_tokens=4096)
     assert choice.fits.tolist() == [True, True, False]
     assert choice.batch_size[1:].tolist() == [1, 0]  # over the token cap, still trained at B = 1
-    assert choice.checkpointed[1:].tolist() == [4, 4]
+    assert choice.checkpointed[1:].tolist() == [3, 4]  # k = L - 1 peaks as k = L does, and runs faster
     assert choice.unfit_seq_lens.tolist() == [int(fits_one) + 10]
     rows = choice.rows()
     assert rows[2]["fits"] is False and rows[2]["time_ms"] is None and rows[2]["peak_bytes"] > 2e9
@@ -135,7 +136,7 @@ def test_rejects_bad_input(kwargs, message):
 
 
 def test_without_any_bound_on_the_batch_size_asks_for_one():
-    memory = MemoryModel("linear", {"m0": 1e9, "c": 0.0, "a": 0.0, "c_k": 0.0, "b": 1e3}, num_blocks=4)
+    memory = MemoryModel("linear", {"m0": 1e9, "c": 0.0, "a": 0.0, "c_k": 0.0, "b": 0.0}, num_blocks=4)
     cost = DepthCostModel(CostModel("power", {"a": 5.0, "b": 1e-3, "p": 1.2}, p=1.2, quality={}), 4, 0.2)
     with pytest.raises(ValueError, match="max_batch_size or max_tokens"):
         choose_batch_and_depth([100], memory, cost, device_memory_bytes=4e9)

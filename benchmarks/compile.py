@@ -3,6 +3,7 @@ fused AdaLN surgery, on a training-like sequence of the reference mix's batch sh
 
     python benchmarks/compile.py --out benchmarks/results/compile_h200.json            # one H200
     python benchmarks/compile.py --device cpu --tiny --m-mem 640 --out /tmp/compile_cpu.json   # smoke test
+    python benchmarks/compile.py --combine a.json b.json --out c.json   # one table of earlier runs
 
 The example Wan-2.1-1.3B-shaped DiT (`--layers` of its blocks), bf16 autocast, AdamW, flow-matching
 loss: one optimizer step per batch. Batches: the full batch of `--buckets` buckets spread over the
@@ -160,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--m-mem", type=int, default=65536)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--combine", nargs="+", type=Path, default=None,
+                        help="instead of running: one table of these earlier result files (written to --out)")
     parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # worker: run one mode, print JSON
     args = parser.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     if args.mode is not None:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return 0
@@ -200,24 +205,63 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: {result['steady_tokens_per_s']:.0f} tokens/s steady, first pass {result['first_pass_s']:.1f} s, "
               f"compile {result['compile_s']:.1f} s, graphs {result['graphs_compiled']}, recompiles after pass 1 "
               f"{result['recompiles_after_first_pass']}", flush=True)
-    eager = next((r for r in results if r["mode"] == "eager"), None)
-    if eager is not None:
-        doc["amortisation"] = amortisation(results, eager, args.m_mem)
-        write()
+    doc["amortisation"] = report(results, args.m_mem)
+    write()
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+def report(results: list[dict], m_mem: int) -> dict | None:
+    """Print the table (each mode against the eager row of its own run: `source` where results of
+    several runs are combined) and the amortisation lines; return the amortisation per run."""
+    sources = list(dict.fromkeys(r.get("source") for r in results))
+    eagers = {src: next((r for r in results if r["mode"] == "eager" and r.get("source") == src), None)
+              for src in sources}
     print(f"\n{'mode':<16} {'tokens/s':>10} {'vs eager':>8} {'1st pass s':>10} {'compile s':>9} {'graphs':>6} "
-          f"{'recomp.':>7} {'breaks':>6} {'peak GiB':>8}")
+          f"{'recomp.':>7} {'breaks':>6} {'peak GiB':>8}" + ("  run" if len(sources) > 1 else ""))
     for r in results:
+        eager = eagers[r.get("source")]
         ratio = r["steady_tokens_per_s"] / eager["steady_tokens_per_s"] if eager else float("nan")
         peak = f"{r['peak_gib']:>8.2f}" if r["peak_gib"] is not None else f"{'-':>8}"
         print(f"{r['mode']:<16} {r['steady_tokens_per_s']:>10.0f} {ratio:>8.3f} {r['first_pass_s']:>10.1f} "
               f"{r['compile_s']:>9.1f} {r['graphs_compiled']:>6} {r['recompiles_after_first_pass']:>7} "
-              f"{r['graph_breaks']:>6} {peak}")
-    for mode, a in doc.get("amortisation", {}).get("modes", {}).items():
-        print(f"{mode}: {a['extra_first_pass_s']:.1f} s more than eager's first pass, paid back after "
-              + (f"{a['break_even_samples']:.0f} samples ({100 * a['fraction_of_epoch']:.1f}% of a "
-                 f"{EPOCH_SAMPLES}-sample epoch)" if a["break_even_samples"] is not None else "never (not faster)"))
-    print(f"wrote {args.out}")
-    return 1 if failed else 0
+              f"{r['graph_breaks']:>6} {peak}" + (f"  {r.get('source')}" if len(sources) > 1 else ""))
+    runs = {}
+    for src, eager in eagers.items():
+        if eager is None:
+            continue
+        runs[src] = amortisation([r for r in results if r.get("source") == src], eager, m_mem)
+        for mode, a in runs[src]["modes"].items():
+            print(f"{mode}: {a['extra_first_pass_s']:.1f} s more than eager's first pass, paid back after "
+                  + (f"{a['break_even_samples']:.0f} samples ({100 * a['fraction_of_epoch']:.1f}% of a "
+                     f"{EPOCH_SAMPLES}-sample epoch)" if a["break_even_samples"] is not None else "never (not faster)"))
+    if not runs:
+        return None
+    return runs[None] if list(runs) == [None] else runs
+
+
+def combine(paths: list[Path], out: Path) -> int:
+    """One table of earlier runs' result files (e.g. a run cut short and the modes it left, run
+    again): every mode is compared with the eager row of its own run, which each file must have."""
+    from _meta import run_meta
+
+    docs = {path.name: json.loads(path.read_text()) for path in paths}
+    m_mem = {doc["settings"]["m_mem"] for doc in docs.values()}
+    if len(m_mem) != 1:
+        raise SystemExit(f"--combine: the runs differ in m_mem ({sorted(m_mem)}); their tokens are not comparable")
+    missing = [name for name, doc in docs.items() if not any(r["mode"] == "eager" for r in doc["results"])]
+    if missing:
+        raise SystemExit(f"--combine: {missing} have no eager row to compare their modes with")
+    results = [r | {"source": name} for name, doc in docs.items() for r in doc["results"]]
+    combined = run_meta("compile (combined)") | {
+        "runs": {name: {k: doc[k] for k in ("command", "date", "git_commit", "device", "versions", "settings",
+                                            "batch_shapes")} | {"failed": sorted(doc.get("failed", {}))}
+                 for name, doc in docs.items()},
+        "results": results}
+    combined["amortisation"] = report(results, m_mem.pop())
+    out.write_text(json.dumps(combined, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
 
 
 EPOCH_SAMPLES = 100_000

@@ -17,10 +17,10 @@ class VideoDiTModule(L.LightningModule):
     (under FSDP Lightning then creates it inside the strategy's init context). Module surgery
     callbacks that run in `setup()` see no blocks in that case.
     compile: regional compilation of every transformer block in `configure_model` (after
-    `FusedAdaLNSurgery`, which runs in `setup()`): "dynamic" (`block.compile(dynamic=True)`, one
-    graph for many bucket shapes: the recommended one, docs/lightning.md "Compiled training"),
-    "auto" (torch's default: static, then dynamic after a recompile), "static" (a graph per shape),
-    or None (eager).
+    `FusedAdaLNSurgery`, which runs in `setup()`): "auto" (torch's default: static, then dynamic
+    after the first recompile; the recommended one, measured in docs/lightning.md "Compiled
+    training"), "dynamic" (`block.compile(dynamic=True)` from the first shape), "static" (a graph
+    per shape), or None (eager).
     """
 
     COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}

@@ -42,11 +42,22 @@ def test_tiny_cpu_run_and_report_arithmetic(tmp_path, one_thread):
         tokens = sum(counts[r["seq_len"]] * r["seq_len"] for r in rows)
         seconds = sum(counts[r["seq_len"]] / r["batch_size"] * np.median(r["timed_steps"]) / 1e3 for r in rows)
         assert result["epoch_tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-12), name
+        assert result["epoch_s"] == pytest.approx(seconds, rel=1e-12), name
+        first_excess = sum(r["first_ms"] - np.median(r["timed_steps"]) for r in rows) / 1e3
+        assert result["first_epoch_s"] == pytest.approx(seconds + first_excess, rel=1e-12), name
+        assert all(isinstance(r["first_was_new_shape"], bool) for r in rows)
         for r in result["buckets"]:
             assert r["predicted_peak_gib"] * GiB == pytest.approx(
                 memory.predict(r["batch_size"], r["seq_len"], r["checkpointed"]), rel=1e-12)
             assert r["peak_rel_err"] == pytest.approx((r["predicted_peak_gib"] - r["measured_peak_gib"])
                                                       / r["measured_peak_gib"], rel=1e-9)
+    # per_bucket on the samples balanced_ac trains, from its own rows
+    both = {r["seq_len"] for r in configs["balanced_ac"]["buckets"] if r["status"] == "ok"}
+    rows = [r for r in configs["per_bucket"]["buckets"] if r["status"] == "ok" and r["seq_len"] in both]
+    same = (sum(counts[r["seq_len"]] * r["seq_len"] for r in rows)
+            / sum(counts[r["seq_len"]] / r["batch_size"] * np.median(r["timed_steps"]) / 1e3 for r in rows))
+    assert doc["summary"]["per_bucket_vs_balanced_ac_same_samples"] == pytest.approx(
+        same / configs["balanced_ac"]["epoch_tokens_per_s"] - 1, rel=1e-9)
     budget = doc["summary"]["budget_gib"]
     for r in configs["per_bucket"]["buckets"]:
         assert 0 <= r["checkpointed"] <= doc["model"]["blocks"]

@@ -237,6 +237,26 @@ def fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: to
     return upcast_fallback_reason(x) or modulation_fallback_reason(x, shift, scale, result_dtype=result_dtype)
 
 
+def has_shape(t: Tensor, *sizes: int) -> bool:
+    """`t.shape == sizes`, compared size by size.
+
+    Not `tuple(t.shape) in (...)`: under torch.compile with dynamic shapes, dynamo of torch 2.11
+    and 2.13 (not 2.14.1) decides membership of an all-constant tuple by comparing it only with
+    candidates that are all constants. In a block compiled with dynamic=True, a batch of 1 is
+    specialized, so shift's shape (1, 1, D) is all constants (D from a parameter), while x's
+    (1, N, D) holds symbols: (batch, 1, dim) never matched, the fused op was skipped for the eager
+    fallback, and its warning broke the graph. One `!=` per size is an ordinary SymInt comparison,
+    decided and guarded like any other (checked on 2.11, 2.13 and 2.14.1).
+    """
+    shape = t.shape
+    if len(shape) != len(sizes):
+        return False
+    for have, want in zip(shape, sizes):
+        if have != want:
+            return False
+    return True
+
+
 def modulation_fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, result_dtype: torch.dtype) -> str | None:
     """`fallback_reason` for an x that already passed `upcast_fallback_reason`: shift, scale and
     the result dtype only."""
@@ -246,7 +266,7 @@ def modulation_fallback_reason(x: Tensor, shift: Tensor, scale: Tensor, *, resul
             return f"{name} of type {type(t).__name__} (the fused op takes tensors)"
         if t.dtype not in FLOAT_DTYPES:
             return f"{name} dtype {t.dtype} (the fused op takes {FLOAT_DTYPES})"
-        if tuple(t.shape) not in ((batch, 1, dim), (batch, seq, dim)):
+        if not (has_shape(t, batch, 1, dim) or has_shape(t, batch, seq, dim)):
             return f"{name} of shape {tuple(t.shape)} for x {tuple(x.shape)} (the fused op takes (B, 1, D) or (B, N, D))"
     if shift.shape != scale.shape:
         return f"shift {tuple(shift.shape)} and scale {tuple(scale.shape)} of different shapes"

@@ -6,12 +6,14 @@ GPU: inductor."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import lightning as L
 import pytest
 import torch
 from tests.helpers.surgery import rel_err
+from torch._dynamo.utils import counters
 
 from examples.video_dit import surgery as video_dit
 from examples.video_dit.model import DiTConfig, VideoDiT, rope_3d
@@ -45,8 +47,9 @@ class Recorder:
         return sum(ops.count(ADALN_OP) for ops in self.ops)
 
 
-def example_block(device: str = "cpu", dim: int = 48):
-    """One DiTBlock of a tiny example model with random weights, and its inputs (x, e, context, rope)."""
+def example_block(device: str = "cpu", dim: int = 48, batch: int = 2, grid: tuple[int, int, int] = (1, 3, 4)):
+    """One DiTBlock of a tiny example model with random weights, and its inputs (x, e, context, rope)
+    for `batch` samples of a (T, H, W) token `grid`."""
     torch.manual_seed(0)
     model = VideoDiT(DiTConfig(in_channels=4, out_channels=4, dim=dim, num_layers=1, num_heads=2,
                                ffn_dim=64, text_dim=16, freq_dim=16)).to(device)
@@ -54,14 +57,15 @@ def example_block(device: str = "cpu", dim: int = 48):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(2, 12, dim, generator=gen, device=device)
-    e = torch.randn(2, 6, dim, generator=gen, device=device)
-    context = torch.randn(2, 5, dim, generator=gen, device=device)
-    return model.blocks[0], (x, e, context, rope_3d((1, 3, 4), dim // 2, torch.device(device)))
+    x = torch.randn(batch, math.prod(grid), dim, generator=gen, device=device)
+    e = torch.randn(batch, 6, dim, generator=gen, device=device)
+    context = torch.randn(batch, 5, dim, generator=gen, device=device)
+    return model.blocks[0], (x, e, context, rope_3d(grid, dim // 2, torch.device(device)))
 
 
-def wan_block(device: str = "cpu"):
-    """One diffusers WanTransformerBlock of a tiny config, and its inputs."""
+def wan_block(device: str = "cpu", batch: int = 2, grid: tuple[int, int, int] = (3, 2, 3)):
+    """One diffusers WanTransformerBlock of a tiny config, and its inputs for `batch` samples of a
+    (T, H, W) token `grid` (latents of (T, 2H, 2W): patch (1, 2, 2))."""
     diffusers = pytest.importorskip("diffusers", reason="diffusers extra not installed (pip install '.[diffusers]')")
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
@@ -73,10 +77,11 @@ def wan_block(device: str = "cpu"):
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     gen = torch.Generator(device=device).manual_seed(6)
-    x = torch.randn(2, 18, 32, generator=gen, device=device)
-    context = torch.randn(2, 5, 32, generator=gen, device=device)
-    temb = torch.randn(2, 6, 32, generator=gen, device=device)
-    rotary = model.rope(torch.randn(2, 4, 3, 4, 6, generator=gen, device=device))
+    x = torch.randn(batch, math.prod(grid), 32, generator=gen, device=device)
+    context = torch.randn(batch, 5, 32, generator=gen, device=device)
+    temb = torch.randn(batch, 6, 32, generator=gen, device=device)
+    t, h, w = grid
+    rotary = model.rope(torch.randn(batch, 4, t, 2 * h, 2 * w, generator=gen, device=device))
     assert isinstance(model.blocks[0], diffusers.models.transformers.transformer_wan.WanTransformerBlock)
     return model.blocks[0], (x, context, temb, rotary)
 
@@ -110,6 +115,41 @@ def test_fused_block_compiles_fullgraph_with_eager_numerics(case):
     assert rel_err(out, ref_out) <= 1e-5 and rel_err(dx, ref_dx) <= 1e-5
     assert grads.keys() == ref_grads.keys()
     assert all(rel_err(grads[n], ref_grads[n], 1e-6) <= 1e-4 for n in ref_grads)
+
+
+# (batch, token grid) of a mixed-shape run: batch size and sequence length both change, and a batch of 1
+# (which dynamo specializes to the constant 1) comes after a dynamic graph was compiled.
+DYNAMIC_SHAPES = [(2, (1, 3, 4)), (3, (2, 2, 3)), (1, (2, 3, 3))]
+
+
+@pytest.mark.parametrize("case", list(BLOCKS))
+def test_fused_block_compiles_dynamic_over_shapes_without_graph_breaks(case):
+    """`block.compile(dynamic=True)` over several batch sizes and sequence lengths, as
+    benchmarks/compile.py's dynamic+surgery mode does: no graph break, the fused op in every graph,
+    and eager's outputs and gradients at each shape. At the batch of 1, dynamo of torch 2.11 and 2.13
+    misjudged the modulation-shape check (`tuple(shift.shape) in (...)`), so the fused forward
+    took its eager fallback there and its warning broke the graph (2 breaks on the H200 run)."""
+    make, surgery, pattern = BLOCKS[case]
+    block, inputs = make()
+    fused = copy.deepcopy(block)
+    report = apply_fused_adaln(fused, example_inputs=inputs, **surgery)  # idioms: first-call check before compiling
+    assert report.counts() == {pattern: 1}
+    recorder, breaks_before = Recorder(), counters["graph_break"].copy()  # torch._dynamo.reset() keeps counters
+    fused.compile(dynamic=True, fullgraph=True, backend=recorder)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # every call compiled, none left to eager
+        for batch, grid in DYNAMIC_SHAPES:
+            inputs = make(batch=batch, grid=grid)[1]
+            fused.zero_grad(set_to_none=True)
+            block.zero_grad(set_to_none=True)
+            out, dx, grads = forward_backward(fused, inputs)
+            ref_out, ref_dx, ref_grads = forward_backward(block, inputs)
+            assert out.shape == ref_out.shape == inputs[0].shape
+            assert rel_err(out, ref_out) <= 1e-5 and rel_err(dx, ref_dx) <= 1e-5, (batch, grid)
+            assert grads.keys() == ref_grads.keys()
+            assert all(rel_err(grads[n], ref_grads[n], 1e-6) <= 1e-4 for n in ref_grads), (batch, grid)
+    graph_breaks = counters["graph_break"] - breaks_before
+    assert not graph_breaks, dict(graph_breaks)
+    assert recorder.ops and all(ops.count(ADALN_OP) == 2 for ops in recorder.ops)  # the fused op in every graph
 
 
 @pytest.mark.parametrize("order", ["surgery-then-compile", "compile-then-surgery", "compiled-call-then-surgery"])

@@ -11,6 +11,7 @@
 #   warmup   benchmarks/warmup.py: cold shapes with and without the shape warm-up
 #   memory   benchmarks/memory_plan.py: per-bucket activation checkpointing
 #   fsdp1    examples/configs/h200_fsdp.yaml on one GPU (devices 1), short, to the end
+#   fsdp1plan  the same with per-bucket activation checkpointing (the memory plan) on
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
 # (the device tool returns at most 8 files); $OUT/summary.txt has one line per stage.
 set -uo pipefail
@@ -69,22 +70,29 @@ for stage in "$@"; do
         ${WARMUP_ARGS:-} ;;
     memory)
       run memory 290 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
-    fsdp1)
-      # issue 15's failing setup: devices 1 and a 60 s calibration budget, on a fresh machine
-      mkdir -p "$OUT/fsdp1"
-      python3 - "$OUT/fsdp1/h200_1gpu.yaml" <<'PY'
-import sys, yaml
+    fsdp1|fsdp1plan)
+      # fsdp1: issue 15's failing setup, devices 1 and a 60 s calibration budget, on a fresh machine;
+      # fsdp1plan: the same with the memory plan on (PerBucketCheckpointing, data.memory_planning)
+      mkdir -p "$OUT/$stage"
+      python3 - "$OUT/$stage/h200_1gpu.yaml" "$stage" <<'PY'
+import os, sys, yaml
 config = yaml.safe_load(open("examples/configs/h200_fsdp.yaml"))
 trainer = config["trainer"]
-trainer.update(devices=1, max_steps=int(__import__("os").environ.get("FSDP1_STEPS", 15)), log_every_n_steps=5)
-for callback in trainer["callbacks"]:
+trainer.update(devices=1, max_steps=int(os.environ.get("FSDP1_STEPS", 15)), log_every_n_steps=5,
+               default_root_dir=f"runs/{sys.argv[2]}")
+trainer["logger"]["init_args"]["save_dir"] = f"runs/{sys.argv[2]}"
+callbacks = trainer["callbacks"]
+for callback in callbacks:
     if callback["class_path"].endswith("CostModelCalibration"):
         callback["init_args"].update(time_budget_s=60, warmup=1, repeats=2, shape_warmup_budget_s=60)
+if sys.argv[2] == "fsdp1plan":  # after the surgery, before the calibration (docs/memory.md)
+    callbacks.insert(1, {"class_path": "lightning_adaptiveload.callbacks.PerBucketCheckpointing"})
+    config["data"]["init_args"]["memory_planning"] = True
 config["data"]["init_args"].update(synthesize=300, num_workers=8)
 yaml.safe_dump(config, open(sys.argv[1], "w"), sort_keys=False)
 PY
-      run fsdp1 330 python3 -m lightning_adaptiveload fit --config "$OUT/fsdp1/h200_1gpu.yaml"
-      cp -r runs/h200/logs "$OUT/fsdp1/" 2>/dev/null ;;
+      run "$stage" 330 python3 -m lightning_adaptiveload fit --config "$OUT/$stage/h200_1gpu.yaml"
+      cp -r "runs/$stage/logs" "$OUT/$stage/" 2>/dev/null ;;
     *) note "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -14,7 +14,7 @@ with 0 < k < L the checkpointed (first) blocks are recomputed only after the u l
 backward has freed their activations, so the peak holds u blocks (the same single block when
 u = 1: checkpointing the last block saves no memory, only time). A fit linear in u itself (the
 version-1 model) reads L/2 - 1 blocks' growth between k = L and k = L // 2 as L/2 blocks', and
-predicted an H200's k = 0 peaks 10-12% low (benchmarks/results/memory_plan_h200_v1model.json).
+predicted an H200's k = 0 peaks 6-12% low (benchmarks/results/memory_plan_h200_v1model.json).
 
 - m0: what no batch changes: parameters, gradients, optimizer state and the optimizer step's
   temporaries, allocator workspace.

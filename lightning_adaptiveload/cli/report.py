@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_meta, read_per_rank_csv
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, format_rank_table, read_meta, read_per_rank_csv
 from lightning_adaptiveload.scheduling import metrics
 
 PLOT_NAME = "imbalance.png"
@@ -191,13 +191,10 @@ def run(args: argparse.Namespace) -> int:
         profiled = np.isfinite(cols["busy_ms"]).all(axis=1)
         print(f"{per_rank}: {n} train batches x {world} ranks; load in {load_unit or 'unknown units'}"
               + (f"; busy time profiled on {int(profiled.sum())} batches" if profiled.any() else ""))
-        print(f"{'rank':>5} {'samples':>9} {'tokens':>10} {'load':>12} {'step_ms':>10} {'busy_ms':>10} {'comm_ms':>10}")
-        for r in range(world):
-            busy_ms, comm_ms = ((cols["busy_ms"][profiled, r].mean(), cols["comm_ms"][profiled, r].mean())
-                                if profiled.any() else (math.nan, math.nan))
-            print(f"{r:>5} {cols['samples'][:, r].mean():>9.2f} {cols['tokens'][:, r].mean():>10.1f} "
-                  f"{cols['load'][:, r].mean():>12.4g} {cols['step_time_ms'][:, r].mean():>10.2f} "
-                  f"{busy_ms:>10.2f} {comm_ms:>10.2f}")
+        means = {name: cols[name].mean(axis=0) for name in ("samples", "tokens", "seq_len", "load", "step_time_ms")}
+        for name in ("busy_ms", "comm_ms"):  # over the profiled batches
+            means[name] = cols[name][profiled].mean(axis=0) if profiled.any() else np.full(world, math.nan)
+        print("\n".join(format_rank_table(means)))
         print("\n".join(summarize(series)))
         print("\n".join(run_summary(cols)))
         r_value, ratio = prediction_check(series)

@@ -12,7 +12,7 @@ import collections
 import numpy as np
 
 from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_NAMES
-from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS
+from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS, format_rank_table
 from lightning_adaptiveload.scheduling import metrics
 
 _PER_RANK_MEANS = ("samples", "tokens", "seq_len", "load", "step_time_ms")
@@ -156,16 +156,11 @@ class BalanceTracker:
         """The end-of-fit table: one row per rank (means over the fit; busy and comm over the
         profiled steps), then the run's balance from `summary` (as returned by summary())."""
         means = self._rank_sums / max(self.steps, 1)
-        busy = self._busy_sums / max(self._busy_steps, 1)
+        busy = self._busy_sums / self._busy_steps if self._busy_steps else np.full_like(self._busy_sums, np.nan)
         lines = [f"LoadBalanceMonitor: {summary['steps']} steps x {summary['world_size']} ranks "
-                 f"(load in {summary['load_unit']})",
-                 f"{'rank':>5} {'samples':>9} {'tokens':>10} {'seq_len':>9} {'load':>12} {'step_ms':>10} "
-                 f"{'busy_ms':>10} {'comm_ms':>10}"]
-        for r in range(self.world_size):
-            cells = [f"{means[r, COLUMN[name]]:{width}}" for name, width in
-                     zip(_PER_RANK_MEANS, (">9.2f", ">10.1f", ">9.1f", ">12.4g", ">10.2f"))]
-            cells += [f"{v:>10.2f}" if self._busy_steps else f"{'-':>10}" for v in busy[r]]
-            lines.append(f"{r:>5} " + " ".join(cells))
+                 f"(load in {summary['load_unit']})"]
+        lines += format_rank_table({name: means[:, COLUMN[name]] for name in _PER_RANK_MEANS}
+                                   | {"busy_ms": busy[:, 0], "comm_ms": busy[:, 1]})
         lines += [
             f"load CV (mean / max over steps):  {summary['load_cv_mean']:.4f} / {summary['load_cv_max']:.4f}",
             f"load max/mean (mean):             {summary['load_max_over_mean_mean']:.4f}",

@@ -31,6 +31,25 @@ OPTIONAL_FIELDS = ("busy_ms", "comm_ms", "compile_recompiles", "compile_graph_br
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
+# The per-rank table: (field, label, width, format) of each column after the rank.
+_RANK_TABLE = (("samples", "samples", 9, ".2f"), ("tokens", "tokens", 10, ".1f"), ("seq_len", "seq_len", 9, ".1f"),
+               ("load", "load", 12, ".4g"), ("step_time_ms", "step_ms", 10, ".2f"), ("busy_ms", "busy_ms", 10, ".2f"),
+               ("comm_ms", "comm_ms", 10, ".2f"))
+
+
+def format_rank_table(means: dict[str, np.ndarray]) -> list[str]:
+    """The per-rank table that LoadBalanceMonitor prints at the end of fit and `adaptiveload report`
+    prints from the CSV: a header, then one line per rank. `means`: field -> (ranks,) mean of that
+    field over the steps (busy_ms and comm_ms over the profiled steps; NaN, printed "-", where
+    none was profiled)."""
+    lines = [f"{'rank':>5} " + " ".join(f"{label:>{width}}" for _, label, width, _ in _RANK_TABLE)]
+    for rank in range(len(means["samples"])):
+        values = [(float(means[field][rank]), width, spec) for field, _, width, spec in _RANK_TABLE]
+        lines.append(f"{rank:>5} " + " ".join(f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}{spec}}"
+                                              for value, width, spec in values))
+    return lines
+
+
 def _cell(name: str, value: float) -> str:
     if math.isnan(value):
         return "nan"

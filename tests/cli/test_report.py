@@ -90,8 +90,8 @@ def test_report_prints_summary_and_writes_png(tmp_path, capsys):
                                                                     for x in busy), abs=1e-4)
     for r in range(WORLD):  # per-rank table: busy_ms and comm_ms are means over the profiled batches
         cells = next(line for line in out.splitlines() if line.split()[:1] == [str(r)]).split()
-        assert float(cells[5]) == pytest.approx(np.mean([values[i, r, 4] for i in PROFILED]), abs=0.01)
-        assert float(cells[6]) == pytest.approx(np.mean([values[i, r, 5] for i in PROFILED]), abs=0.01)
+        assert float(cells[6]) == pytest.approx(np.mean([values[i, r, 4] for i in PROFILED]), abs=0.01)
+        assert float(cells[7]) == pytest.approx(np.mean([values[i, r, 5] for i in PROFILED]), abs=0.01)
     # compile counts: the last batch's, the most on any rank
     assert f"{(BATCHES - 1) // 5} recompiles, {WORLD - 1} graph breaks" in out
     png = tmp_path / "logs" / "version_0" / "imbalance.png"

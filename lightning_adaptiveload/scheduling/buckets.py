@@ -173,14 +173,6 @@ class BucketTable:
             return cost_model
         return BucketDepthCosts(self.memory_plan.cost_model, self.seq_len, self.checkpointed)
 
-    def latent_shape(self, seq_len: int) -> tuple[int, int, int] | None:
-        """Latent (T, H, W) of the bucket scheduled at `seq_len` tokens; None if there is no such
-        bucket or its shape is unknown."""
-        i = int(np.searchsorted(self.seq_len, seq_len))
-        if i == len(self.seq_len) or self.seq_len[i] != seq_len or self.latent_thw[i, 0] < 0:
-            return None
-        return tuple(int(v) for v in self.latent_thw[i])
-
     def rows(self) -> list[dict]:
         """One dict per bucket: seq_len, latent_shape ((T, H, W) or None), samples, batch_size,
         cost_ms (None without a cost model), checkpointed and peak_bytes (None without a memory plan)."""

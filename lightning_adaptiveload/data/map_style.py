@@ -94,6 +94,9 @@ class MapStyleSource:
         self.dataset: IndexedShardDataset | None = None
         self._rows: ShapeMix | None = None
         self._row_of_sample: np.ndarray | None = None  # (N,) row of self._rows of each dataset item
+        # (keys, fingerprint) of the current rows: every sampler build needs them, and the fingerprint
+        # hashes every key (~1 s per 10M samples)
+        self._keyed: tuple[np.ndarray, str] | None = None
 
     def setup(self, count_skipped: Callable[[dict, str], None]) -> ShapeMix:
         """Read the index, check every row against the configuration (failures go to
@@ -135,6 +138,7 @@ class MapStyleSource:
                               latent_thw=combo_thw[fits])
         self._row_of_sample = row_of_combo[combo_of[kept]]
         self.dataset = IndexedShardDataset(index.take(kept) if len(kept) < len(index) else index, self.config.decode)
+        self._keyed = None
         return self._rows
 
     def sample_keys(self) -> np.ndarray:
@@ -146,7 +150,11 @@ class MapStyleSource:
         """The batch sampler of `rank` under `scheduling` (policy, m_mem, m_comp, p, cost_model,
         memory_plan, and max_seq_len: the longest sample to schedule, true tokens)."""
         scheduling = dict(scheduling)
-        keys = self.sample_keys()
+        if self._keyed is None:
+            keys = self.sample_keys()
+            keys.setflags(write=False)  # shared by every sampler built from it
+            self._keyed = keys, index_fingerprint(self.dataset.index, keys)
+        keys, fingerprint = self._keyed
         # The sampler compares bucket keys, which sit above true tokens by collision offsets; keys grow
         # with true tokens, so the largest key of a sample within the bound separates the two.
         tokens = self._rows.tokens[self._row_of_sample]
@@ -156,7 +164,7 @@ class MapStyleSource:
                              f"more); raise m_mem or max_seq_len")
         return BucketBatchSampler(keys, **scheduling, num_replicas=num_replicas, rank=rank, seed=self.seed,
                                   drop_last=self.drop_last, max_seq_len=int(keys[within].max()),
-                                  dataset_fingerprint=index_fingerprint(self.dataset.index, keys))
+                                  dataset_fingerprint=fingerprint)
 
     def train_loader(self, scheduling: dict, num_replicas: int | None, rank: int | None,
                      epoch_fn: Callable[[], int] | None = None) -> MapStyleLoader:

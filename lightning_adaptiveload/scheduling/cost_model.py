@@ -324,6 +324,21 @@ def _check_header(doc, where: str, fmt: str, version: int, keys: tuple[str, ...]
     return doc
 
 
+def _check_form(doc: dict, where: str, forms: tuple[str, ...]) -> str:
+    """doc["form"] if it is one of `forms`."""
+    if doc["form"] not in forms:
+        raise ValueError(f"{where}: unknown 'form' {doc['form']!r}, expected one of {forms}")
+    return doc["form"]
+
+
+def _check_json_int(doc: dict, key: str, where: str, minimum: int) -> int:
+    """doc[key] if it is a JSON integer (not a bool, not a float) >= minimum."""
+    value = doc[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def _check_params(params, names: tuple[str, ...], form: str, where: str) -> None:
     """`params` has exactly the keys `names`, each a finite number >= 0."""
     if not isinstance(params, dict) or set(params) != set(names):
@@ -347,9 +362,7 @@ def _check_quality(quality, keys: tuple[str, ...], where: str) -> dict:
 
 def _model_from_doc(doc, where: str) -> CostModel:
     _check_header(doc, where, FORMAT, VERSION, ("form", "params", "p", "quality"))
-    form = doc["form"]
-    if form not in FORMS:
-        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
+    form = _check_form(doc, where, FORMS)
     params = doc["params"]
     _check_params(params, PARAM_NAMES[form], form, where)
     if form == "floor_work" and not params["k"] >= 1:
@@ -547,10 +560,9 @@ class DepthCostModel:
         """Read a model written by to_json; ValueError naming the file for anything malformed."""
         doc, where = _read_json(path), str(path)
         _check_header(doc, where, DEPTH_FORMAT, DEPTH_VERSION, ("num_blocks", "recompute_fraction", "quality", "base"))
-        if isinstance(doc["num_blocks"], bool) or not isinstance(doc["num_blocks"], int) or doc["num_blocks"] < 1:
-            raise ValueError(f"{where}: 'num_blocks' must be an integer >= 1, got {doc['num_blocks']!r}")
+        num_blocks = _check_json_int(doc, "num_blocks", where, minimum=1)
         g = doc["recompute_fraction"]
         if not is_finite_number(g) or not 0 <= g <= 1:
             raise ValueError(f"{where}: 'recompute_fraction' must be a number in [0, 1], got {g!r}")
         quality = _check_quality(doc["quality"], DEPTH_QUALITY_KEYS, where)
-        return cls(_model_from_doc(doc["base"], f"{where}: 'base'"), doc["num_blocks"], g, quality)
+        return cls(_model_from_doc(doc["base"], f"{where}: 'base'"), num_blocks, g, quality)

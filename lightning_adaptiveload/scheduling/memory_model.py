@@ -43,8 +43,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from lightning_adaptiveload.scheduling.cost_model import (
-    QUALITY_KEYS, _check_header, _check_params, _check_quality, _folds, _nan_to_none, _positive_1d, _read_json,
-    _rel_err, _write_json, check_depths, fit_quality,
+    QUALITY_KEYS, _check_form, _check_header, _check_json_int, _check_params, _check_quality, _folds, _nan_to_none,
+    _positive_1d, _read_json, _rel_err, _write_json, check_depths, fit_quality,
 )
 from lightning_adaptiveload._validation import require_choice, require_int
 
@@ -263,11 +263,7 @@ class MemoryModel:
 
 def _model_from_doc(doc, where: str) -> MemoryModel:
     _check_header(doc, where, FORMAT, VERSION, ("form", "num_blocks", "params", "quality"))
-    form = doc["form"]
-    if form not in FORMS:
-        raise ValueError(f"{where}: unknown 'form' {form!r}, expected one of {FORMS}")
-    num_blocks = doc["num_blocks"]
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(f"{where}: 'num_blocks' must be an integer >= 0, got {num_blocks!r}")
+    form = _check_form(doc, where, FORMS)
+    num_blocks = _check_json_int(doc, "num_blocks", where, minimum=0)
     _check_params(doc["params"], PARAM_NAMES[form], form, where)
     return MemoryModel(form, doc["params"], num_blocks, _check_quality(doc["quality"], QUALITY_KEYS, where))

@@ -15,7 +15,7 @@ from lightning_adaptiveload.scheduling.cost_model import DepthCostModel, load_co
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.policies import POLICIES, keeps_partial_batches
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 
@@ -43,7 +43,7 @@ def run_with_clear_errors(name: str, func, args: argparse.Namespace) -> int:
 
 
 def plan_summary(mix: ShapeMix, cost_model, *, policy: str, m_mem: int, m_comp: float | None = None,
-                 max_seq_len: int | None = None, world_size: int = 1, seed: int = 0, drop_last: bool = True,
+                 max_seq_len: int | None = None, world_size: int = 1, seed: int = 0, drop_last: bool | None = None,
                  memory_plan: MemoryPlan | None = None) -> tuple[BucketTable, dict]:
     """(bucket table, epoch-0 plan stats) of the mix expanded to one entry per sample, planned for
     `world_size` ranks as the DataModule does: rows above max_seq_len (under `memory_plan`, also
@@ -99,9 +99,10 @@ def _run(args: argparse.Namespace) -> int:
     cost_model = load_cost_model(args.cost_model) if memory_plan is None else memory_plan.cost_model.base
     # under a memory plan every sample is a candidate: the device, not m_mem, bounds the length
     max_seq_len = args.max_seq_len if args.max_seq_len is not None or memory_plan is None else int(mix.tokens.max())
+    drop_last = not keeps_partial_batches(args.policy) if args.drop_last is None else args.drop_last
     table, stats = plan_summary(mix, cost_model, policy=args.policy, m_mem=args.m_mem, m_comp=args.m_comp,
                                 max_seq_len=max_seq_len, world_size=args.world_size, seed=args.seed,
-                                drop_last=args.drop_last, memory_plan=memory_plan)
+                                drop_last=drop_last, memory_plan=memory_plan)
     shown = cost_model if memory_plan is None else memory_plan.cost_model
     if args.json:
         doc = {"cost_model": repr(shown), "bucket_table": table.to_dict(), "epoch_plan": stats}
@@ -111,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         if memory_plan is not None:
             print(f"memory model: {memory_plan.memory_model!r}")
-        print(format_summary(table, stats, shown, args.seed, args.drop_last))
+        print(format_summary(table, stats, shown, args.seed, drop_last))
     return 0
 
 
@@ -122,8 +123,9 @@ def register(subparsers) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="balanced")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the epoch plan")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=True,
-                        help="drop partial batches and the batches that cannot fill a last step (default)")
+    parser.add_argument("--drop-last", action=argparse.BooleanOptionalAction, default=None,
+                        help="drop partial batches and the batches that cannot fill a last step (default: keep "
+                             "them for balanced, drop them for token_equal and dual_constraint)")
     parser.add_argument("--memory-model", default=None,
                         help="memory model JSON (calibration_memory_model.json): plan with measured memory, per "
                              "bucket (B, k) for balanced; --cost-model is then the depth cost model JSON "

@@ -88,7 +88,7 @@ class MapStyleSource:
     """The samples of an index that fit `config`, and the loader of one rank over them."""
 
     def __init__(self, index_path: str, shard_paths: list[str], config: SampleConfig, *, num_workers: int,
-                 seed: int, drop_last: bool, index_cache: bool):
+                 seed: int, drop_last: bool | None, index_cache: bool):
         self.index_path, self.shard_paths, self.config = index_path, shard_paths, config
         self.num_workers, self.seed, self.drop_last, self.index_cache = num_workers, seed, drop_last, index_cache
         self.dataset: IndexedShardDataset | None = None

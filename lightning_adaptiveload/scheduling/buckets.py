@@ -5,7 +5,8 @@ count (a batch must hold one shape); `assign_buckets` maps per-sample token coun
 the epoch plan; `BucketTable.build` is the single place that turns shapes, tokens and counts into
 the per-bucket batch size and predicted cost under a policy (used by the sampler, the
 DataModule, the streaming schedule, `adaptiveload plan` and calibration's printed table); with a
-`MemoryPlan` it also holds each bucket's checkpointing depth k and predicted peak memory.
+`MemoryPlan` it also holds each bucket's checkpointing depth k and predicted peak memory, and with a
+`Verification` the limits and measured step times of the shapes that ran before training.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from lightning_adaptiveload._validation import require_choice, require_int
 from lightning_adaptiveload.scheduling.depth_choice import BucketDepthCosts, MemoryPlan
 from lightning_adaptiveload.scheduling.policies import batch_sizes, resolve_compute_budget
+from lightning_adaptiveload.scheduling.verification import Verification
 
 OVERSIZE = ("drop", "resize")
 
@@ -89,7 +91,8 @@ class BucketTable:
     sizes come from the memory and time models). memory_plan: the MemoryPlan or None. Rows longer
     than max_seq_len are not scheduled and not in the table; under a memory plan max_seq_len is at
     most the longest sample that fits the device (MemoryPlan.max_seq_len); the epoch plan counts
-    them (`dropped_oversize`).
+    them (`dropped_oversize`). verification: what running the scheduled shapes found, or None: its
+    limits bound each bucket's (B, k) and `step_cost_model` prices batches with its measured times.
     """
 
     seq_len: np.ndarray
@@ -105,11 +108,12 @@ class BucketTable:
     checkpointed: np.ndarray
     peak_bytes: np.ndarray
     memory_plan: MemoryPlan | None = None
+    verification: Verification | None = None
 
     @classmethod
     def build(cls, tokens, counts, latent_thw=None, *, policy: str, m_mem: int, m_comp: float | None = None,
               p: float | None = None, cost_model=None, max_seq_len: int | None = None,
-              memory_plan: MemoryPlan | None = None) -> "BucketTable":
+              memory_plan: MemoryPlan | None = None, verification: Verification | None = None) -> "BucketTable":
         """The table of rows (N,) `tokens` (true tokens per sample) with (N,) `counts` and, where
         known, (N, 3) `latent_thw`: rows above max_seq_len (default m_mem) are left out, the rest
         keyed by `schedule_keys` and summed per key; m_comp and p come from `cost_model` unless given
@@ -120,7 +124,11 @@ class BucketTable:
         bucket's (B, k) from `memory_plan.choose` with m_mem as the token cap (a bucket longer than
         m_mem runs at B = 1), and its predicted ms at that k; token_equal and dual_constraint keep
         their token-budget batch sizes at k = L (every block checkpointed), priced and with their
-        predicted peak (which may exceed the budget: they are the baselines)."""
+        predicted peak (which may exceed the budget: they are the baselines).
+
+        verification: limits from running the scheduled shapes: balanced under a memory plan chooses
+        within them (pinned buckets keep their verified (B, k)); any other policy caps each bucket's B at
+        its max_batch_size; buckets above its max_seq_len are left out."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         counts = np.asarray(counts, dtype=np.int64).reshape(-1)
         thw = np.full((len(tokens), 3), -1, dtype=np.int64) if latent_thw is None \
@@ -134,6 +142,8 @@ class BucketTable:
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
         if memory_plan is not None:
             max_seq_len = memory_plan.limit_seq_len(max_seq_len, int(tokens.min()))
+        if verification is not None and verification.max_seq_len is not None:
+            max_seq_len = min(max_seq_len, verification.max_seq_len)
         fits = tokens <= max_seq_len
         if not fits.any():
             raise ValueError(f"every shape is longer than max_seq_len={max_seq_len} tokens")
@@ -144,7 +154,8 @@ class BucketTable:
         depth = np.full(len(seq_len), NO_DEPTH, dtype=np.int64)
         peak = np.full(len(seq_len), np.nan)
         if memory_plan is not None and policy == "balanced":
-            choice = memory_plan.choose(seq_len, max_tokens=m_mem)
+            choice = memory_plan.choose(seq_len, max_tokens=m_mem,
+                                        limits=None if verification is None else verification.limits)
             sizes, depth, peak, cost_ms = choice.batch_size, choice.checkpointed, choice.peak_bytes, choice.time_ms
             m_comp = p = None
         else:
@@ -152,6 +163,9 @@ class BucketTable:
                 cost_model = memory_plan.cost_model.base
             m_comp, p = resolve_compute_budget(policy, m_mem, int(seq_len[-1]), m_comp, p, cost_model)
             sizes = batch_sizes(seq_len, policy, m_mem, m_comp, p)
+            if verification is not None:
+                sizes = np.array([b if (lim := verification.limit(s)) is None or lim.max_batch_size is None
+                                  else min(b, lim.max_batch_size) for s, b in zip(seq_len, sizes)], dtype=np.int64)
             cost_ms = np.full(len(seq_len), np.nan) if cost_model is None \
                 else np.asarray(cost_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
             if memory_plan is not None:
@@ -161,17 +175,25 @@ class BucketTable:
                    batch_size=np.asarray(sizes, dtype=np.int64), cost_ms=np.asarray(cost_ms, dtype=np.float64),
                    policy=policy, m_mem=m_mem, m_comp=m_comp, p=p, max_seq_len=max_seq_len,
                    checkpointed=np.asarray(depth, dtype=np.int64), peak_bytes=np.asarray(peak, dtype=np.float64),
-                   memory_plan=memory_plan)
+                   memory_plan=memory_plan, verification=verification)
 
     def __len__(self) -> int:
         return len(self.seq_len)
 
     def step_cost_model(self, cost_model=None):
-        """What prices a batch of this table by (B, S) (epoch plan, streaming classes): under a memory
-        plan its time model at each bucket's depth (`BucketDepthCosts`), else `cost_model`."""
-        if self.memory_plan is None:
-            return cost_model
-        return BucketDepthCosts(self.memory_plan.cost_model, self.seq_len, self.checkpointed)
+        """What prices a batch of this table by (B, S) (epoch plan, streaming classes, the monitor's
+        load): under a memory plan its time model at each bucket's depth (`BucketDepthCosts`), else
+        `cost_model`; with a verification, the measured step times where they exist
+        (`MeasuredCosts`; None without any model)."""
+        model = cost_model if self.memory_plan is None else \
+            BucketDepthCosts(self.memory_plan.cost_model, self.seq_len, self.checkpointed)
+        if self.verification is None or model is None:
+            return model
+        return self.verification.costs(model, self.depths())
+
+    def depths(self) -> dict[int, int | None]:
+        """seq_len -> k of each bucket (None without a memory plan)."""
+        return {int(s): None if k == NO_DEPTH else int(k) for s, k in zip(self.seq_len, self.checkpointed)}
 
     def rows(self) -> list[dict]:
         """One dict per bucket: seq_len, latent_shape ((T, H, W) or None), samples, batch_size,
@@ -197,7 +219,8 @@ class BucketTable:
     def format(self) -> str:
         """The budgets in one line, then one aligned line per bucket (S, latent, samples, B, B*S,
         predicted ms of one batch; with a memory plan also k, the blocks checkpointed, and the
-        predicted peak in MiB, marked where it exceeds the plan's budget)."""
+        predicted peak in MiB, marked where it exceeds the plan's budget; with a verification the
+        full batch's measured warm ms and peak reserved MiB, or why it has none)."""
         budget = "" if self.m_comp is None else f", m_comp={self.m_comp:.4g} tokens^p, p={self.p:.4g}"
         plan = self.memory_plan
         lines = [f"policy {self.policy}: m_mem={self.m_mem} tokens{budget}, max_seq_len={self.max_seq_len} tokens"]
@@ -206,7 +229,12 @@ class BucketTable:
                          f"{_size(plan.device_memory_bytes)}), k of {plan.num_blocks} blocks checkpointed; "
                          f"longest sample that fits: {plan.max_seq_len} tokens")
         header = f"{'S':>8} {'latent (T, H, W)':>18} {'samples':>8} {'B':>5} {'B*S':>7} {'ms/batch':>9}"
-        lines.append(header + (f" {'k':>4} {'peak MiB':>10}" if plan is not None else ""))
+        header += f" {'k':>4} {'peak MiB':>10}" if plan is not None else ""
+        header += f" {'meas ms':>9} {'meas MiB':>10}" if self.verification is not None else ""
+        lines.append(header)
+        measured = {} if self.verification is None else {
+            (m.batch_size, m.seq_len, m.checkpointed): m for m in self.verification.shapes}
+        depths = self.depths()
         for row in self.rows():
             shape = "-" if row["latent_shape"] is None else str(row["latent_shape"])
             cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"
@@ -214,8 +242,13 @@ class BucketTable:
                     f"{row['batch_size'] * row['seq_len']:>7} {cost:>9}")
             if plan is not None:
                 line += f" {row['checkpointed']:>4} {row['peak_bytes'] / 2**20:>10.1f}"
-                if row["peak_bytes"] > plan.budget_bytes:
-                    line += "  over budget"
+            m = measured.get((row["batch_size"], row["seq_len"], depths[row["seq_len"]]))
+            if self.verification is not None:
+                line += (f" {'-':>9} {'not run':>10}" if m is None else f" {'-':>9} {'oom':>10}" if m.peak_bytes is None
+                         else f" {m.warm_ms:>9.1f} {m.used_bytes / 2**20:>10.1f}")
+            # a prediction over the budget matters unless the batch was measured to fit
+            if plan is not None and row["peak_bytes"] > plan.budget_bytes and not (m is not None and m.fits):
+                line += "  over budget"
             lines.append(line)
         return "\n".join(lines)
 

@@ -20,15 +20,19 @@ carries its bucket's k under DEPTH_BATCH_KEY for `PerBucketCheckpointing`.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+from lightning_adaptiveload.scheduling.memory_model import NO_BOUND, MemoryModel
+from lightning_adaptiveload.scheduling.verification import BucketLimit
 from lightning_adaptiveload._validation import is_positive_number, require_int
 
 # Batch entry holding how many of the model's blocks the step checkpoints (a Python int; absent: all).
 DEPTH_BATCH_KEY = "ac_blocks"
+
+UNLIMITED = BucketLimit()
 
 # More (bucket, B) candidates than this means a missing bound on B (a model that predicts almost
 # no memory per sample and no cap): ask for max_batch_size rather than allocate without limit.
@@ -75,25 +79,35 @@ class DepthChoice:
 
 def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, device_memory_bytes: float,
                            max_memory_fraction: float = 0.85, max_tokens: int | None = None,
-                           max_batch_size: int | None = None) -> DepthChoice:
+                           max_batch_size: int | None = None,
+                           limits: Mapping[int, BucketLimit] | None = None) -> DepthChoice:
     """(B, k) per bucket maximising predicted tokens/s under predicted peak <= max_memory_fraction *
     device_memory_bytes (module docstring).
 
     seq_lens: (n,) tokens per sample of each bucket (integers >= 1). cost_model: predicts ms from
     (B, S, k) and has the memory model's num_blocks. max_memory_fraction leaves room for what the
-    model does not see: the allocator's reserve and fragmentation (reserved minus allocated memory),
-    other processes, and the model's own error (a few %; docs/memory.md)."""
+    model does not see: other processes and the model's own error (a few %; docs/memory.md); what the
+    allocator reserves beyond its allocations is measured by verification, not budgeted here.
+    limits: seq_len -> BucketLimit from verification (scheduling/verification.py): a pinned bucket
+    keeps its verified (B, k); any other is chosen with B <= its max_batch_size, k >= its
+    min_checkpointed and its peaks predicted `memory_scale` times higher. peak_bytes reports the
+    scaled prediction."""
     seq_lens = np.asarray(seq_lens)
     if seq_lens.ndim != 1 or seq_lens.size == 0:
         raise ValueError(f"seq_lens must be a non-empty 1-D array, got shape {seq_lens.shape}")
     seq_lens = np.array([require_int("seq_lens[i]", s) for s in seq_lens], dtype=np.int64)
     budget = _budget(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
-    cap = memory_model.max_batch_size(seq_lens, budget)  # largest B that fits at k = L (0: none)
+    bucket_limits = [(limits or {}).get(int(s)) or UNLIMITED for s in seq_lens]
+    scale = np.array([limit.memory_scale for limit in bucket_limits])
+    cap = memory_model.max_batch_size(seq_lens, budget / scale)  # largest B that fits at k = L (0: none)
     if max_tokens is not None:
         cap = np.minimum(cap, np.maximum(1, require_int("max_tokens", max_tokens) // seq_lens))
     if max_batch_size is not None:
         cap = np.minimum(cap, require_int("max_batch_size", max_batch_size))
-    if cap.sum(dtype=np.float64) > MAX_CANDIDATES:
+    cap = np.minimum(cap, [NO_BOUND if limit.max_batch_size is None else limit.max_batch_size
+                           for limit in bucket_limits])
+    pinned = np.array([limit.pinned for limit in bucket_limits])
+    if cap[~pinned].sum(dtype=np.float64) > MAX_CANDIDATES:
         raise ValueError(f"{cap.sum(dtype=np.float64):.3g} (bucket, batch size) candidates (the memory model sets "
                          f"no useful bound on B): give max_batch_size or max_tokens")
 
@@ -101,16 +115,22 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
     batch = np.zeros(n, dtype=np.int64)
     depth = np.full(n, num_blocks, dtype=np.int64)
     time_ms = np.full(n, np.nan)
-    fits = cap >= 1
+    fits = (cap >= 1) | pinned
     for i in np.flatnonzero(fits):
+        limit = bucket_limits[i]
+        if limit.pinned:  # measured to fit: kept as it is, whatever the models say now
+            batch[i], depth[i] = limit.max_batch_size, min(limit.min_checkpointed, num_blocks)
+            time_ms[i] = float(cost_model.predict(batch[i], seq_lens[i], depth[i]))
+            continue
         b = np.arange(1, cap[i] + 1)
         # every candidate fits at some k: cap[i] <= the largest B that fits at k = L
-        k, _ = memory_model.min_checkpointed(b, seq_lens[i], budget)
+        k, _ = memory_model.min_checkpointed(b, seq_lens[i], budget / scale[i])
+        k = np.maximum(k, min(limit.min_checkpointed, num_blocks))
         t = np.asarray(cost_model.predict(b, seq_lens[i], k), dtype=np.float64)
         rate = b / t  # B*S/t up to the common factor S
         best = np.flatnonzero(rate == rate.max())[-1]
         batch[i], depth[i], time_ms[i] = b[best], k[best], t[best]
-    peak = memory_model.predict(np.maximum(batch, 1), seq_lens, depth)
+    peak = scale * memory_model.predict(np.maximum(batch, 1), seq_lens, depth)
     return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=depth, peak_bytes=np.asarray(peak),
                        time_ms=time_ms, fits=fits, num_blocks=num_blocks, budget_bytes=budget)
 
@@ -172,12 +192,15 @@ class MemoryPlan:
                              f"{self.budget_bytes / 2**30:.3g} GiB ({self.max_memory_fraction:g} of the device)")
         return min(int(max_seq_len), fitting)
 
-    def choose(self, seq_lens, max_tokens: int | None = None) -> DepthChoice:
+    def choose(self, seq_lens, max_tokens: int | None = None,
+               limits: Mapping[int, BucketLimit] | None = None) -> DepthChoice:
         """choose_batch_and_depth of `seq_lens` under this plan's models and budget, with the token cap
-        `max_tokens` (the batches' m_mem: comparable with the token-budget policies' batches)."""
+        `max_tokens` (the batches' m_mem: comparable with the token-budget policies' batches) and
+        verification's per-bucket `limits`."""
         return choose_batch_and_depth(seq_lens, self.memory_model, self.cost_model,
                                       device_memory_bytes=self.device_memory_bytes,
-                                      max_memory_fraction=self.max_memory_fraction, max_tokens=max_tokens)
+                                      max_memory_fraction=self.max_memory_fraction, max_tokens=max_tokens,
+                                      limits=limits)
 
     def summary(self) -> dict:
         """JSON-ready: the budget and the block count (the models have their own to_dict)."""

@@ -258,7 +258,12 @@ class MemoryModel:
     @classmethod
     def from_json(cls, path) -> "MemoryModel":
         """Read a model written by to_json; ValueError naming the file for anything malformed."""
-        return _model_from_doc(_read_json(path), str(path))
+        return cls.from_dict(_read_json(path), str(path))
+
+    @classmethod
+    def from_dict(cls, doc, where: str = "memory model") -> "MemoryModel":
+        """The model of a `to_dict` document; ValueError naming `where` for anything malformed."""
+        return _model_from_doc(doc, where)
 
 
 def _model_from_doc(doc, where: str) -> MemoryModel:

@@ -17,7 +17,8 @@ from lightning_adaptiveload._validation import require_choice, require_int
 from lightning_adaptiveload.scheduling.buckets import BucketTable, assign_buckets
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import EpochPlan, group_by_bucket, plan_epoch
-from lightning_adaptiveload.scheduling.policies import POLICIES
+from lightning_adaptiveload.scheduling.policies import POLICIES, keeps_partial_batches
+from lightning_adaptiveload.scheduling.verification import Verification
 
 STATE_VERSION = 1
 log = logging.getLogger(__name__)
@@ -37,7 +38,11 @@ class BucketBatchSampler:
     so a resume never maps positions of one index onto another. memory_plan: plan with measured
     memory (`BucketTable.build` says what it changes: samples longer than the device allows are
     dropped as oversize, balanced takes each bucket's (B, k) from it and orders batches by their
-    predicted time at that k); `bucket_table.checkpointed` holds each bucket's k.
+    predicted time at that k); `bucket_table.checkpointed` holds each bucket's k. verification: what
+    running the scheduled shapes found (limits on each bucket's (B, k), measured step times that
+    price the balanced plan). drop_last: drop each bucket's last partial batch and the batches that
+    cannot fill a last step (True) or keep every sample (False); None: False for balanced, True for
+    the token-budget policies (`policies.keeps_partial_batches`).
 
     With Lightning use `DataLoader(dataset, batch_sampler=sampler)` and
     `Trainer(use_distributed_sampler=False)`; Lightning calls `set_epoch` each epoch (through the
@@ -46,8 +51,9 @@ class BucketBatchSampler:
 
     def __init__(self, seq_lens, *, policy: str, m_mem: int, m_comp: float | None = None, p: float | None = None,
                  cost_model=None, num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
-                 drop_last: bool = True, max_seq_len: int | None = None, oversize: str = "drop",
-                 dataset_fingerprint: str | None = None, memory_plan: MemoryPlan | None = None):
+                 drop_last: bool | None = None, max_seq_len: int | None = None, oversize: str = "drop",
+                 dataset_fingerprint: str | None = None, memory_plan: MemoryPlan | None = None,
+                 verification: Verification | None = None):
         require_choice("policy", policy, POLICIES)
         m_mem = require_int("m_mem (tokens per batch)", m_mem)
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
@@ -59,13 +65,15 @@ class BucketBatchSampler:
         if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"need num_replicas >= 1 and 0 <= rank < num_replicas, got {num_replicas=}, {rank=}")
         self.policy, self.m_mem, self.max_seq_len, self.oversize = policy, int(m_mem), int(max_seq_len), oversize
+        if drop_last is None:
+            drop_last = not keeps_partial_batches(policy)
         self.seed, self.drop_last, self.cost_model = int(seed), bool(drop_last), cost_model
         self.dataset_fingerprint = dataset_fingerprint
         self.bucket_of, self.bucket_seq_len = assign_buckets(seq_lens, self.max_seq_len, oversize)
         counts = np.bincount(self.bucket_of[self.bucket_of >= 0], minlength=len(self.bucket_seq_len))
         self.bucket_table = BucketTable.build(self.bucket_seq_len, counts, policy=policy, m_mem=self.m_mem,
                                               m_comp=m_comp, p=p, cost_model=cost_model, max_seq_len=self.max_seq_len,
-                                              memory_plan=memory_plan)
+                                              memory_plan=memory_plan, verification=verification)
         self.m_comp, self.p = self.bucket_table.m_comp, self.bucket_table.p
         self.bucket_batch = self.bucket_table.batch_size
         self._batch_costs = self.bucket_table.step_cost_model(cost_model)  # prices batches for balanced
@@ -135,10 +143,11 @@ class BucketBatchSampler:
 
     def _config(self) -> dict:
         table = self.bucket_table
-        # under a memory plan the batch sizes and depths come from fitted models, not from the budgets
-        # above: a resume must plan the same batches (None without a plan, as in older states)
-        planned = None if table.memory_plan is None else {"batch_size": table.batch_size.tolist(),
-                                                          "checkpointed": table.checkpointed.tolist()}
+        # under a memory plan or verification's limits the batch sizes and depths come from fitted
+        # models and measurements, not from the budgets above: a resume must plan the same batches
+        # (None without either, as in older states)
+        planned = None if table.memory_plan is None and table.verification is None else {
+            "batch_size": table.batch_size.tolist(), "checkpointed": table.checkpointed.tolist()}
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
                 "max_seq_len": self.max_seq_len, "oversize": self.oversize, "drop_last": self.drop_last,
                 "num_samples": len(self.bucket_of), "memory_plan": planned}

@@ -35,6 +35,7 @@ import numpy as np
 from lightning_adaptiveload._validation import require_int, require_number
 from lightning_adaptiveload.scheduling.buckets import BucketTable
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+from lightning_adaptiveload.scheduling.verification import Verification
 from lightning_adaptiveload.scheduling.policies import batch_costs, batch_sizes
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
 
@@ -82,15 +83,18 @@ class StreamSchedule:
 
 def make_stream_schedule(mix: ShapeMix, *, policy: str, m_mem: int, m_comp: float | None = None,
                          p: float | None = None, cost_model=None, max_seq_len: int | None = None,
-                         class_tolerance: float = 0.1, memory_plan: MemoryPlan | None = None) -> StreamSchedule:
+                         class_tolerance: float = 0.1, memory_plan: MemoryPlan | None = None,
+                         verification: Verification | None = None) -> StreamSchedule:
     """The schedule of the expected shape mix (e.g. the dataset index or a shapes file), by token
-    count: its buckets are the BucketTable of the mix's tokens and counts (with `memory_plan`, see
-    BucketTable.build; samples longer than the device allows are skipped as oversize)."""
+    count: its buckets are the BucketTable of the mix's tokens and counts (with `memory_plan` and
+    `verification`, see BucketTable.build; samples longer than the device allows are skipped as
+    oversize)."""
     class_tolerance = require_number("class_tolerance", class_tolerance, positive=True)
     if cost_model is None and memory_plan is not None:
         cost_model = memory_plan.cost_model.base
     table = BucketTable.build(mix.tokens, mix.counts, policy=policy, m_mem=m_mem, m_comp=m_comp, p=p,
-                              cost_model=cost_model, max_seq_len=max_seq_len, memory_plan=memory_plan)
+                              cost_model=cost_model, max_seq_len=max_seq_len, memory_plan=memory_plan,
+                              verification=verification)
     # token_equal (and balanced under a memory plan): classes still need a cost; without a cost model
     # use the attention-free exponent 1
     p = table.p if table.p is not None else float(cost_model.p) if cost_model is not None else 1.0

@@ -69,10 +69,23 @@ def test_h200_second_depth_predicted_within_one_percent_of_the_measured_ratio():
     assert model.quality["heldout_max_rel_err"] < 0.015  # measured 0.96%
 
 
-def test_points_without_a_full_depth_partner_or_second_depth_are_rejected():
+def test_points_without_a_full_depth_partner_count_against_the_base_prediction():
+    """Verification measures (B, S, k) calibration never paired: their ratio is taken over t_L's
+    prediction. With exact (noise-free) times g is recovered from unpaired points alone."""
+    b, s, k, t = synthetic(seed=3, rel_noise=0.0)
+    full = k == L
+    base = CostModel.fit(b[full], s[full], t[full])
+    rng = np.random.default_rng(4)
+    ub, us = rng.integers(1, 9, 6).astype(float), rng.integers(300, 40000, 6).astype(float)
+    uk = rng.choice([0, 7, 15], 6)
+    ut = base.predict(ub, us) * (1 - 0.3 * (L - uk) / L)  # g = 0.3 against the base's own prediction
+    model = DepthCostModel.fit(np.concatenate([b[full], ub]), np.concatenate([s[full], us]),
+                               np.concatenate([k[full], uk]), np.concatenate([t[full], ut]), num_blocks=L, base=base)
+    assert model.recompute_fraction == pytest.approx(0.3, rel=1e-9)
+
+
+def test_points_without_a_second_depth_or_with_bad_depths_are_rejected():
     b, s, k, t = synthetic(seed=3)
-    with pytest.raises(ValueError, match="need a measurement of the same"):
-        DepthCostModel.fit(np.append(b, 3), np.append(s, 777), np.append(k, 10), np.append(t, 50.0), num_blocks=L)
     full = k == L
     with pytest.raises(ValueError, match="needs points at k < 30"):
         DepthCostModel.fit(b[full], s[full], k[full], t[full], num_blocks=L)

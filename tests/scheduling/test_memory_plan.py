@@ -115,7 +115,7 @@ def test_sampler_drops_what_fits_nowhere_and_balances_at_each_buckets_depth(worl
     plan, rng = plan_of(5, L=8)
     seq_lens = rng.choice(np.unique(rng.integers(64, 150000, 40)), size=3000)
     sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=65536, memory_plan=plan, num_replicas=world,
-                                 rank=0, seed=1, max_seq_len=10**6)
+                                 rank=0, seed=1, max_seq_len=10**6, drop_last=True)
     longest = plan.max_seq_len
     assert sampler.max_seq_len == longest and sampler.plan().stats["dropped_oversize"] == int((seq_lens > longest).sum())
     table = sampler.bucket_table
@@ -131,11 +131,11 @@ def test_sampler_drops_what_fits_nowhere_and_balances_at_each_buckets_depth(worl
     # a resume under another plan (other batch sizes) is refused
     other = MemoryPlan(plan.memory_model, plan.cost_model, plan.device_memory_bytes, max_memory_fraction=0.85)
     again = BucketBatchSampler(seq_lens, policy="balanced", m_mem=65536, memory_plan=other, num_replicas=world,
-                               rank=0, seed=1, max_seq_len=10**6)
+                               rank=0, seed=1, max_seq_len=10**6, drop_last=True)
     with pytest.raises(ValueError, match="different configuration.*memory_plan|different configuration.*max_seq_len"):
         again.load_state_dict(sampler.state_dict())
     same = BucketBatchSampler(seq_lens, policy="balanced", m_mem=65536, memory_plan=plan, num_replicas=world,
-                              rank=0, seed=1, max_seq_len=10**6)
+                              rank=0, seed=1, max_seq_len=10**6, drop_last=True)
     same.load_state_dict(sampler.state_dict())
 
 

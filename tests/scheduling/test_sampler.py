@@ -69,7 +69,8 @@ def test_dual_constraint_edges():
 @pytest.mark.parametrize("policy", ["token_equal", "dual_constraint", "balanced"])
 def test_plan_invariants(world, policy):
     seq_lens = random_seq_lens(4000, seed=world)
-    samplers = make_ranks(seq_lens, world, policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=7)
+    samplers = make_ranks(seq_lens, world, policy=policy, m_mem=M_MEM, cost_model=power_model(), seed=7,
+                          drop_last=True)
     per_rank = [list(s) for s in samplers]
     assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == len(samplers[0]) > 0
     flat = np.concatenate([np.concatenate(b) for b in per_rank])
@@ -110,7 +111,8 @@ def test_balanced_is_optimal_grouping():
     (the minimum), computed independently from the bucket batch sizes."""
     seq_lens = random_seq_lens(6000, seed=9)
     world, model = 8, power_model(p=1.4)
-    s = BucketBatchSampler(seq_lens, policy="balanced", m_mem=M_MEM, cost_model=model, num_replicas=world, rank=0)
+    s = BucketBatchSampler(seq_lens, policy="balanced", m_mem=M_MEM, cost_model=model, num_replicas=world, rank=0,
+                           drop_last=True)
     plan = s.plan()
     step_costs = model.predict(plan.batch_len[plan.steps], plan.batch_seq_len[plan.steps])
     costs = np.sort(step_costs.ravel())  # the batches actually scheduled
@@ -138,6 +140,19 @@ def test_drop_last_false_keeps_partials(world, policy):
     assert stats["dropped_step_remainder"] < world
     assert len(flat) == len(seq_lens) - stats["dropped_oversize"] - stats["dropped_step_remainder"]
     assert all(len(b) >= 1 for r in per_rank for b in r)
+
+
+@pytest.mark.parametrize("policy, keeps", [("balanced", True), ("token_equal", False), ("dual_constraint", False)])
+def test_drop_last_defaults_to_keeping_partial_batches_only_for_balanced(policy, keeps):
+    seq_lens = random_seq_lens(1500, seed=31)
+    default = BucketBatchSampler(seq_lens, policy=policy, m_mem=M_MEM, cost_model=power_model(), num_replicas=4,
+                                 rank=0)
+    explicit = BucketBatchSampler(seq_lens, policy=policy, m_mem=M_MEM, cost_model=power_model(), num_replicas=4,
+                                  rank=0, drop_last=not keeps)
+    assert default.drop_last is (not keeps)
+    assert np.array_equal(default.plan().steps, explicit.plan().steps)
+    partial = default.stats["dropped_partial_batch"]
+    assert (partial == 0) if keeps else partial > 0
 
 
 @pytest.mark.parametrize("policy", ["token_equal", "dual_constraint", "balanced"])
@@ -383,7 +398,8 @@ def test_cost_model_with_sub_linear_p_gives_token_equal_batches():
     calibration): every bucket keeps its memory-limited batch instead of collapsing to B = 1."""
     model = CostModel("power", {"a": 6.0, "b": 1.5, "p": 0.09}, 0.09, {})
     seq_lens = np.random.default_rng(0).choice([16, 32, 64, 128, 256], size=400)
-    sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=256, cost_model=model, num_replicas=2, rank=0)
+    sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=256, cost_model=model, num_replicas=2, rank=0,
+                                 drop_last=True)
     assert sampler.p == 1.0
     for batch in sampler:
         s = int(seq_lens[batch[0]])

@@ -1,0 +1,240 @@
+"""What running the scheduled batch shapes found: each shape's measured step, the limits put on the
+buckets that did not fit, and step costs priced from the measurements.
+
+Before the first training step, calibration (`lightning_adaptiveload.calibration.verify`) runs every
+(B, latent shape, k) the schedule holds as a training step under training's memory conditions. A
+shape over the memory budget, or out of memory, gets a `BucketLimit` and its bucket is planned
+again within it; a shape that fits is pinned, so no later refit of the models moves it to an
+unmeasured choice. `BucketTable.build(verification=...)` honours the limits, and prices batches with
+the measured warm step times (`MeasuredCosts`), so the balanced plan weighs what the steps cost,
+not what a model extrapolated to depths and batch sizes it never saw. Pure data and numpy.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from lightning_adaptiveload._validation import is_finite_number, require_choice, require_int
+
+# fits: the step ran with its peak (allocated and reserved) within the budget; over_budget: it ran but
+# its peak exceeded the budget; oom: it ran out of device memory on some rank.
+STATUSES = ("fits", "over_budget", "oom")
+
+
+def _optional_number(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if not is_finite_number(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class MeasuredShape:
+    """One scheduled batch shape run as a training step.
+
+    batch_size: B (samples); seq_len: the bucket's scheduled tokens per sample; latent_shape: latent
+    (T, H, W) or None where only tokens are known; checkpointed: blocks checkpointed (k), None
+    without a memory plan; status: one of STATUSES. warm_ms: the step after the first (ms), cold_ms:
+    the first one, with its kernel builds or compilation; peak_bytes: the steps' peak allocated
+    device memory, reserved_bytes: the allocator's peak reserved memory (what fragmentation adds
+    shows as reserved - allocated), both None for an out-of-memory shape. predicted_ms,
+    predicted_peak_bytes: what the plan expected when it was measured. round: the verification
+    round that measured it (1-based).
+    """
+
+    batch_size: int
+    seq_len: int
+    latent_shape: tuple[int, int, int] | None
+    checkpointed: int | None
+    status: str
+    warm_ms: float | None = None
+    cold_ms: float | None = None
+    peak_bytes: float | None = None
+    reserved_bytes: float | None = None
+    predicted_ms: float | None = None
+    predicted_peak_bytes: float | None = None
+    round: int = 1
+
+    def __post_init__(self):
+        require_int("batch_size", self.batch_size)
+        require_int("seq_len", self.seq_len)
+        require_choice("status", self.status, STATUSES)
+        if self.checkpointed is not None:
+            require_int("checkpointed", self.checkpointed, minimum=0)
+        if self.latent_shape is not None:
+            object.__setattr__(self, "latent_shape", tuple(require_int("latent_shape", v) for v in self.latent_shape))
+        for name in ("warm_ms", "cold_ms", "peak_bytes", "reserved_bytes", "predicted_ms", "predicted_peak_bytes"):
+            object.__setattr__(self, name, _optional_number(name, getattr(self, name)))
+        if self.status != "oom" and (self.warm_ms is None or self.peak_bytes is None):
+            raise ValueError(f"a {self.status!r} shape needs warm_ms and peak_bytes")
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "fits"
+
+    @property
+    def used_bytes(self) -> float | None:
+        """The memory the step held from the device: its reserved peak where known, else allocated."""
+        if self.peak_bytes is None:
+            return None
+        return max(self.peak_bytes, self.reserved_bytes or 0.0)
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        doc["latent_shape"] = None if self.latent_shape is None else list(self.latent_shape)
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Mapping, where: str = "measured shape") -> "MeasuredShape":
+        """The shape of a `to_dict` document; ValueError naming `where` for anything malformed."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"{where}: must be an object, got {type(doc).__name__}")
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(doc) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}")
+        try:
+            return cls(**doc)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from e
+
+
+@dataclass(frozen=True)
+class BucketLimit:
+    """What verification allows one bucket: B <= max_batch_size (None: no bound) and k >=
+    min_checkpointed, its peaks taken as `memory_scale` times the memory model's prediction (the
+    ratio its failed shape measured, >= 1). pinned: (max_batch_size, min_checkpointed) is the
+    bucket's choice, measured to fit; a pinned bucket is not planned again."""
+
+    max_batch_size: int | None = None
+    min_checkpointed: int = 0
+    memory_scale: float = 1.0
+    pinned: bool = False
+
+    def __post_init__(self):
+        if self.max_batch_size is not None:
+            require_int("max_batch_size", self.max_batch_size)
+        require_int("min_checkpointed", self.min_checkpointed, minimum=0)
+        if not is_finite_number(self.memory_scale) or self.memory_scale < 1:
+            raise ValueError(f"memory_scale must be a finite number >= 1, got {self.memory_scale!r}")
+        if self.pinned and self.max_batch_size is None:
+            raise ValueError("a pinned bucket needs its max_batch_size (the verified B)")
+
+
+@dataclass(frozen=True, eq=False)
+class Verification:
+    """Everything verification measured and decided, the one object the bucket table, the sampler
+    and the DataModule take.
+
+    shapes: every measured shape, in the order measured; limits: bucket seq_len -> BucketLimit;
+    max_seq_len: longest bucket (tokens) to schedule, set when a bucket did not fit even at B = 1
+    with every block checkpointed (longer buckets need more memory still), else None;
+    budget_bytes: the memory (bytes, one rank) a shape had to fit in, allocated and reserved.
+    """
+
+    shapes: tuple[MeasuredShape, ...] = ()
+    limits: Mapping[int, BucketLimit] = field(default_factory=dict)
+    max_seq_len: int | None = None
+    budget_bytes: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", tuple(self.shapes))
+        limits = {require_int("limits key (seq_len)", s): limit for s, limit in dict(self.limits).items()}
+        if not all(isinstance(limit, BucketLimit) for limit in limits.values()):
+            raise ValueError("limits must map seq_len -> BucketLimit")
+        object.__setattr__(self, "limits", MappingProxyType(limits))
+        if self.max_seq_len is not None:
+            require_int("max_seq_len", self.max_seq_len)
+        object.__setattr__(self, "budget_bytes", _optional_number("budget_bytes", self.budget_bytes))
+
+    def limit(self, seq_len: int) -> BucketLimit | None:
+        return self.limits.get(int(seq_len))
+
+    def costs(self, model, depth_of: Mapping[int, int | None]) -> "MeasuredCosts":
+        """`MeasuredCosts` over `model` from the shapes that fit at their bucket's depth in `depth_of`
+        (seq_len -> k of the table, None without a memory plan)."""
+        return MeasuredCosts(model, [m for m in self.shapes
+                                     if m.fits and int(m.seq_len) in depth_of and m.checkpointed == depth_of[m.seq_len]])
+
+    def to_dict(self) -> dict:
+        return {"shapes": [m.to_dict() for m in self.shapes],
+                "limits": {str(s): asdict(limit) for s, limit in sorted(self.limits.items())},
+                "max_seq_len": self.max_seq_len, "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping, where: str = "verification") -> "Verification":
+        """The verification of a `to_dict` document; ValueError naming `where` for anything malformed."""
+        if not isinstance(doc, Mapping) or set(doc) != {"shapes", "limits", "max_seq_len", "budget_bytes"}:
+            raise ValueError(f"{where}: must be an object with keys shapes, limits, max_seq_len, budget_bytes")
+        if not isinstance(doc["shapes"], list) or not isinstance(doc["limits"], Mapping):
+            raise ValueError(f"{where}: shapes must be a list and limits an object")
+        shapes = [MeasuredShape.from_dict(m, f"{where}: shapes[{i}]") for i, m in enumerate(doc["shapes"])]
+        limits = {}
+        for key, value in doc["limits"].items():
+            try:
+                limits[int(key)] = BucketLimit(**value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: limits[{key!r}]: {e}") from e
+        try:
+            return cls(shapes, limits, doc["max_seq_len"], doc["budget_bytes"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+
+
+class MeasuredCosts:
+    """Step time (ms) of a batch of (B, S) as verification measured it: the measured warm time where
+    that (B, S) ran at its bucket's depth, else `model`'s prediction times the bucket's measured /
+    predicted ratio (median over its measured shapes: the model's error at that bucket, e.g. 20-40% at
+    depths it never measured), else the model's prediction. `model` is what the table prices batches
+    with at their bucket's depth (e.g. depth_choice.BucketDepthCosts)."""
+
+    def __init__(self, model, measured: Iterable[MeasuredShape]):
+        self.model = model
+        measured = list(measured)
+        pairs: dict[tuple[int, int], list[float]] = {}
+        for m in measured:
+            pairs.setdefault((int(m.batch_size), int(m.seq_len)), []).append(float(m.warm_ms))
+        self._keys = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+        self._ms = np.array([float(np.median(pairs[tuple(k)])) for k in self._keys.tolist()], dtype=np.float64)
+        ratios: dict[int, list[float]] = {}
+        for (b, s), ms in zip(self._keys.tolist(), self._ms):
+            predicted = float(model.predict(b, s))
+            if predicted > 0 and math.isfinite(predicted):
+                ratios.setdefault(s, []).append(ms / predicted)
+        self._ratio_s = np.array(sorted(ratios), dtype=np.int64)
+        self._ratio = np.array([float(np.median(ratios[s])) for s in self._ratio_s.tolist()], dtype=np.float64)
+
+    @property
+    def measured(self) -> dict[tuple[int, int], float]:
+        """(B, S) -> measured warm ms."""
+        return {(int(b), int(s)): float(ms) for (b, s), ms in zip(self._keys, self._ms)}
+
+    def predict(self, batch_size, seq_len):
+        """Step ms; scalars give a float, arrays broadcast and give an array."""
+        b, s = np.broadcast_arrays(np.asarray(batch_size), np.asarray(seq_len))
+        t = np.asarray(self.model.predict(b, s), dtype=np.float64) * self._bucket_ratio(s)
+        if len(self._keys) and t.size:
+            flat_b, flat_s = b.reshape(-1).astype(np.int64), s.reshape(-1).astype(np.int64)
+            # exact (B, S) lookup: one int64 code per pair, S major
+            width = int(max(self._keys[:, 0].max(), flat_b.max())) + 1
+            code = self._keys[:, 1] * width + self._keys[:, 0]
+            order = np.argsort(code)
+            code, ms = code[order], self._ms[order]
+            query = flat_s * width + flat_b
+            at = np.clip(np.searchsorted(code, query), 0, len(code) - 1)
+            hit = code[at] == query
+            t = t.reshape(-1)
+            t[hit] = ms[at[hit]]
+            t = t.reshape(b.shape)
+        return float(t) if t.ndim == 0 else t
+
+    def _bucket_ratio(self, s: np.ndarray) -> np.ndarray:
+        if not len(self._ratio_s):
+            return np.ones(s.shape)
+        at = np.clip(np.searchsorted(self._ratio_s, s), 0, len(self._ratio_s) - 1)
+        return np.where(self._ratio_s[at] == s, self._ratio[at], 1.0)

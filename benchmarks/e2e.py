@@ -249,8 +249,10 @@ def summarize_run(res: dict) -> dict:
         # runs before the shape warm-up existed recorded from_cache instead of source
         "calibration_source": res["calibration"].get("source")
         or ("cache" if res["calibration"].get("from_cache") else "measured"),
-        "warmup_s": res["calibration"].get("warmup_seconds", 0.0),
-        "warmed_shapes": sum(w["status"] == "warmed" for w in res["calibration"].get("warmed_shapes", [])),
+        # before verification (calibration.json version 4) the shapes ran once, as "warmed_shapes"
+        "warmup_s": res["calibration"].get("verify_seconds", res["calibration"].get("warmup_seconds", 0.0)),
+        "warmed_shapes": sum(m["status"] == "fits" for m in (res["calibration"].get("verification") or {}).get("shapes", []))
+        + sum(w["status"] == "warmed" for w in res["calibration"].get("warmed_shapes", [])),
     }
 
 

@@ -66,7 +66,7 @@ def train(args: argparse.Namespace, run: str) -> None:
                            num_heads=sc["heads"], ffn_dim=sc["ffn"], text_dim=sc["text_dim"], freq_dim=sc["freq_dim"])
     calibration = CostModelCalibration(num_seq_lens=5, batch_sizes=sc["batch_sizes"], max_tokens=sc["m_mem"],
                                        warmup=1, repeats=3, time_budget_s=args.calibration_budget_s, m_mem=sc["m_mem"],
-                                       shape_warmup=run == "warm", cache_path=str(work / "calibration_cache.json"),
+                                       verify=run == "warm", cache_path=str(work / "calibration_cache.json"),
                                        # a launch-bound toy on a shared CPU can fail the trust check
                                        **({"max_heldout_error": float("inf"), "min_work_correlation": -1.0}
                                           if args.tiny else {}))
@@ -120,8 +120,9 @@ def analyse(work: Path, run: str) -> dict:
         "later_steps_over_model_mean": float(np.mean(repeats)) if repeats else None,
         "later_steps_over_model_abs_max": float(np.max(np.abs(repeats))) if repeats else None,
         "calibration_seconds": calibration["seconds"], "calibration_source": calibration["source"],
-        "warmup_seconds": calibration["warmup_seconds"],
-        "warmed_shapes": len([w for w in calibration["warmed_shapes"] if w["status"] == "warmed"]),
+        "warmup_seconds": calibration["verify_seconds"],
+        "warmed_shapes": len([m for m in (calibration["verification"] or {"shapes": []})["shapes"]
+                              if m["status"] == "fits"]),
         "per_step": [{k: s[k] for k in ("step", "samples", "seq_len", "load", "step_time_ms", "first")} for s in steps],
     }
 

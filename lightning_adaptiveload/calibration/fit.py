@@ -18,13 +18,10 @@ import warnings
 import numpy as np
 from scipy.stats import spearmanr
 
+from lightning_adaptiveload.calibration.config import DEFAULT_MIN_WORK_CORRELATION
 from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-
-DEFAULT_MAX_HELDOUT_ERROR = 0.15  # 15%: the shipped H200 curve fits to 5% held out (docs/cost_model.md)
-# Spearman rank correlation of time with tokens B*S below which times "do not grow": a launch-bound
-# model on a noisy CPU measures ~0.5, constant or falling times ~0 or below.
-DEFAULT_MIN_WORK_CORRELATION = 0.2
+from lightning_adaptiveload.scheduling.verification import MeasuredShape
 
 
 def fit_points(feasible: list[dict], form: str) -> tuple[CostModel | None, str | None]:
@@ -60,16 +57,23 @@ def distrust_reasons(model: CostModel, feasible: list[dict], max_heldout_error: 
 
 
 def fit_memory_models(points: list[dict], num_blocks: int, base: CostModel, extra_bytes: int,
-                      max_heldout_error: float) -> tuple[MemoryModel | None, DepthCostModel | None, str | None]:
+                      max_heldout_error: float, verified: list[MeasuredShape] = ()
+                      ) -> tuple[MemoryModel | None, DepthCostModel | None, str | None]:
     """(memory model, time model, None), or (None, None, why not); never raises (rank 0 fits).
 
     points: the calibration points (those with status "ok" are used), each with "checkpointed" (k);
     base: the trusted CostModel of the points at k = num_blocks, around which the time model is
     built; extra_bytes: memory every training step holds that calibration's steps do not (the
-    optimizer state, calibration/memory.py), added to the memory model's m0. The memory model's
-    quality describes the measured peaks (without extra_bytes); a held-out mean relative error above
-    `max_heldout_error` is refused."""
+    optimizer state, calibration/memory.py), added to the memory model's m0. verified: shapes
+    verification ran (calibration/verify.py) with a peak, under training's memory conditions: their
+    peaks, less extra_bytes, and warm times join the points, so a refit sees the depths and batch
+    sizes the plan chose. The memory model's quality describes the peaks it was fitted to (without
+    extra_bytes); a held-out mean relative error above `max_heldout_error` (the memory model's own
+    threshold) is refused."""
     ok = [p for p in points if p["status"] == "ok"]
+    ok += [{"batch_size": m.batch_size, "seq_len": m.seq_len, "checkpointed": m.checkpointed,
+            "time_ms": m.warm_ms, "peak_bytes": m.peak_bytes - extra_bytes} for m in verified
+           if m.peak_bytes is not None and m.checkpointed is not None and m.peak_bytes > extra_bytes]
     try:
         b, s, k, t, peak = (np.array([p[key] for p in ok], dtype=np.float64)
                             for key in ("batch_size", "seq_len", "checkpointed", "time_ms", "peak_bytes"))

@@ -17,10 +17,18 @@ The optimizer step itself (parameters, gradients, state and the foreach implemen
 of about one more parameter copy) runs after backward has freed the activations, so it is not part
 of the per-batch peak; `step_bytes` estimates it, and calibration warns when it alone exceeds the
 plan's budget.
+
+Verification does not predict: `optimizer_state_present` runs each optimizer's first step before
+the shapes run (zero gradients, learning rate 0: the update is exactly zero for the optimizers the
+rule knows, and the parameters of any other are restored from a host copy), so their steps hold
+the state training will hold, measured, and the step's own peak is measured too; on exit the state
+is dropped again, as before, and the first training step creates it as it always does.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +113,67 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass
+class MaterializedState:
+    """What `optimizer_state_present` measured: state_bytes the optimizers' new state holds on this
+    rank (CUDA allocator bytes; the rule's prediction on other devices), step_peak_bytes the device's
+    peak allocated memory during that first step (gradients present, as in training; None off CUDA),
+    created: whether any state was created (False when every optimizer held its state already)."""
+
+    state_bytes: int
+    step_peak_bytes: int | None
+    created: bool
+
+
+def _update_is_zero_at_lr_0(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step at learning rate 0 leaves the parameters bit-identical: every optimizer the
+    state rule knows scales its update by lr (AdamW's decay by lr * weight_decay as well)."""
+    return all(states_per_param(optimizer, group) is not None for group in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def optimizer_state_present(optimizers: list[torch.optim.Optimizer], device: torch.device
+                            ) -> Iterator[MaterializedState]:
+    """Inside, every optimizer that held no state holds the state its first step creates; on exit it
+    holds none again and its learning rates, gradients (None) and parameters are as before. An
+    optimizer that already holds state (a resumed run) is left alone."""
+    cuda = device.type == "cuda"
+    fresh = [opt for opt in optimizers if not any(len(state) for state in opt.state.values())]
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for optimizer in fresh:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        host_copy = None if _update_is_zero_at_lr_0(optimizer) else [p.detach().to("cpu", copy=True) for p in params]
+        saved_grads = [p.grad for p in params]
+        saved_lrs = [group["lr"] for group in optimizer.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for group in optimizer.param_groups:
+                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            with torch.no_grad():
+                optimizer.step()
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved_lrs):
+                group["lr"] = lr
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+            if host_copy is not None:
+                with torch.no_grad():
+                    for p, copy in zip(params, host_copy):
+                        p.copy_(copy)
+    if cuda:
+        torch.cuda.synchronize(device)
+        state = MaterializedState(torch.cuda.memory_allocated(device) - before,
+                                  torch.cuda.max_memory_allocated(device), bool(fresh))
+    else:
+        state = MaterializedState(optimizer_memory(fresh).state_bytes if fresh else 0, None, bool(fresh))
+    try:
+        yield state
+    finally:
+        for optimizer in fresh:
+            optimizer.state.clear()

@@ -19,7 +19,8 @@ import torch
 from lightning_adaptiveload._validation import is_positive_number
 
 FORMAT = "adaptiveload.calibration"
-VERSION = 3  # 3: every point has "checkpointed" (k, or null without PerBucketCheckpointing)
+VERSION = 4  # 4: "verification" (the shapes run before training) replaces "warmed_shapes"; 3: every point has
+# "checkpointed" (k, or null without PerBucketCheckpointing)
 # ok: measured; oom: out of memory on some rank; predicted_oom: not run (CUDA memory forecast);
 # skipped_oom: a point no larger in B and S did not fit; skipped_budget: time budget spent.
 STATUSES = ("ok", "oom", "predicted_oom", "skipped_oom", "skipped_budget")

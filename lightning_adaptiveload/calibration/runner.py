@@ -94,6 +94,14 @@ class StepRunner:
             torch.cuda.empty_cache()
 
     # ---- collectives ------------------------------------------------------------------------
+    @property
+    def is_global_zero(self) -> bool:
+        return self.trainer.is_global_zero
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (what rank 0 alone fitted, or read from a cache)."""
+        return self.strategy.broadcast(obj)
+
     def agree(self, flag: bool) -> bool:
         return agree(self.strategy, flag)
 
@@ -145,10 +153,14 @@ class StepRunner:
             previous = elapsed
         return max_steps
 
-    def measure(self, batch_fn, warmup: int, repeats: int, settle: bool = False) -> dict:
+    def measure(self, batch_fn, warmup: int, repeats: int, settle: bool = False, empty_cache: bool = False) -> dict:
         """Median time (ms) of `repeats` steps after `warmup` untimed ones (after `settle` first,
-        if asked), and peak memory (bytes: CUDA max_memory_allocated, on CPU the bytes autograd
-        saves for backward), on the batch `batch_fn()` builds; both the maximum over ranks.
+        if asked), the first step's time (first_ms: with the shape's kernel builds when it is new),
+        and peak memory over all of them (bytes: peak_bytes CUDA max_memory_allocated,
+        reserved_bytes max_memory_reserved, what the allocator held from the device; on CPU both the
+        bytes autograd saves for backward), on the batch `batch_fn()` builds; each the maximum over
+        ranks. empty_cache: return the allocator's cached blocks to the device first, so the reserved
+        peak is this batch's own and not what earlier, larger batches left cached.
         {"status": "oom"} on every rank if any rank ran out of memory (freed before returning)."""
         device, cuda = self.device, self.device.type == "cuda"
         out_of_memory = False
@@ -159,17 +171,21 @@ class StepRunner:
                 self.settle(batch)
             if cuda:
                 torch.cuda.synchronize(device)
+                if empty_cache:
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             for i in range(warmup + repeats):
                 saved = _SavedTensorBytes()
                 counting = (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                             if not cuda else contextlib.nullcontext())
                 with counting:
-                    elapsed = self.step(batch)
+                    times.append(self.step(batch))
                 saved_bytes.append(saved.total)
-                if i >= warmup:
-                    times.append(elapsed)
-            peak = torch.cuda.max_memory_allocated(device) if cuda else max(saved_bytes)
+            if cuda:
+                peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+            else:
+                peak = reserved = max(saved_bytes)
             del batch
         except torch.OutOfMemoryError:
             out_of_memory = True
@@ -180,5 +196,7 @@ class StepRunner:
                 torch.cuda.empty_cache()
         if self.agree(out_of_memory):
             return {"status": "oom"}
-        time_ms, peak_bytes = self.max_over_ranks(float(np.median(times)), float(peak))
-        return {"status": "ok", "time_ms": time_ms, "peak_bytes": int(peak_bytes)}
+        time_ms, first_ms, peak_bytes, reserved_bytes = self.max_over_ranks(
+            float(np.median(times[warmup:])), times[0], float(peak), float(reserved))
+        return {"status": "ok", "time_ms": time_ms, "first_ms": first_ms, "peak_bytes": int(peak_bytes),
+                "reserved_bytes": int(reserved_bytes)}

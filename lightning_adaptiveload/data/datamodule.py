@@ -42,6 +42,7 @@ from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, TokenSpec, read_shapes_jsonl
+from lightning_adaptiveload.scheduling.verification import Verification
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
             index's current bytes, and (re)write it after a parse; False: always parse, write nothing.
         drop_last: map-style: drop each bucket's last partial batch and the batches that cannot fill
             a last step (True), or keep every sample, in smaller batches, with the same number of
-            steps on every rank (False). The streaming path never drops a partial batch.
+            steps on every rank (False); None (default): False for balanced, which prices every
+            batch, True for the token-budget policies (`policies.keeps_partial_batches`; what it
+            costs: docs/data.md). The streaming path never drops a partial batch.
     """
 
     def __init__(self, shards: str | list[str], index: str | None = None, policy: str = "balanced",
@@ -100,7 +103,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                  shuffle_buffer: int = 64, max_buffer_samples: int = 4096, max_buffer_bytes: int = 1 << 30,
                  shapes: str | None = None, synthesize: int | None = None,
                  synthesize_shapes: str | None = None, synthesize_latent_scale: float = 1.0,
-                 index_cache: bool = True, drop_last: bool = True, memory_planning: bool = False):
+                 index_cache: bool = True, drop_last: bool | None = None, memory_planning: bool = False):
         super().__init__()
         require_choice("policy", policy, POLICIES)
         require_choice("oversize", oversize, OVERSIZE)
@@ -125,9 +128,10 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         self.max_buffer_samples, self.max_buffer_bytes = max_buffer_samples, max_buffer_bytes
         self.synthesize, self.synthesize_shapes = synthesize, synthesize_shapes
         self.synthesize_latent_scale = synthesize_latent_scale
-        self.index_cache, self.drop_last = index_cache, bool(drop_last)
+        self.index_cache, self.drop_last = index_cache, None if drop_last is None else bool(drop_last)
         self.cost_model: CostModel | None = load_cost_model(cost_model) if cost_model else None
         self.memory_plan: MemoryPlan | None = None  # set_memory_plan
+        self.verification: Verification | None = None  # set_verification
         self.skipped: Counter = Counter()  # reason -> samples skipped on this rank, setup and stream
         self.source: MapStyleSource | StreamingSource | None = None
         self.mix: ShapeMix | None = None  # the shapes found at setup, one row per distinct shape
@@ -188,7 +192,8 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         elif self.memory_planning:
             bound = self.m_mem if bound is None else min(bound, self.m_mem)
         return {"policy": self.policy, "m_mem": self.m_mem, "m_comp": self.m_comp, "p": self.p,
-                "cost_model": self.cost_model, "memory_plan": self.memory_plan, "max_seq_len": bound}
+                "cost_model": self.cost_model, "memory_plan": self.memory_plan, "verification": self.verification,
+                "max_seq_len": bound}
 
     def bucket_seq_lens(self) -> np.ndarray:
         """(K,) int64 distinct scheduled token counts, ascending (after setup)."""
@@ -205,9 +210,10 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
 
     def step_cost_model(self):
         """What the schedule prices a batch of (B, S) by, in ms (and `LoadBalanceMonitor` its load):
-        under a memory plan the step time at the checkpointing depth of the bucket scheduled at S
-        (`BucketTable.step_cost_model`), else `cost_model` (None before one is set)."""
-        if self.memory_plan is None:
+        `BucketTable.step_cost_model`: the measured step times of a verification where they exist,
+        under a memory plan the step time at the checkpointing depth of the bucket scheduled at S,
+        else `cost_model` (None before one is set)."""
+        if self.memory_plan is None and self.verification is None:
             return self.cost_model
         return self.bucket_table().step_cost_model(self.cost_model)
 
@@ -221,7 +227,7 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         if cost_model is None and self.policy != "token_equal" and (self.m_comp is None or self.p is None):
             raise ValueError(f"policy {self.policy!r} needs a cost model (or m_comp and p)")
         self.cost_model = cost_model
-        self.memory_plan = None
+        self.memory_plan = self.verification = None
         if m_mem is not None:
             self.m_mem = require_int("m_mem", m_mem)
         if not self.memory_planning and self._key_shape and max(self._key_shape) > self.m_mem:
@@ -251,6 +257,23 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                             "the device at B = 1 with all %d blocks checkpointed (predicted peak <= %.2f GiB); they "
                             "are left out of the schedule (counted)", unfit, longest, plan.num_blocks,
                             plan.budget_bytes / 2**30)
+
+    def set_verification(self, verification: Verification | None) -> None:
+        """Plan within what running the scheduled shapes found (scheduling/verification.py): each
+        bucket's limits on (B, k) and the measured step times the balanced plan prices batches with.
+        Kept across `set_memory_plan` (calibration refits the models and keeps the limits); cleared
+        by `set_cost_model`. Call before the train loader is built (CostModelCalibration does)."""
+        if verification is not None and not isinstance(verification, Verification):
+            raise ValueError(f"set_verification needs a Verification or None, got {type(verification).__name__}")
+        self.verification = verification
+
+    def memory_budget_bytes(self) -> float | None:
+        """The memory (bytes, one rank) a step may hold under the current plan: the memory plan's
+        budget, else the one verification held the scheduled shapes to; None with neither
+        (`LoadBalanceMonitor` counts the steps over it)."""
+        if self.memory_plan is not None:
+            return self.memory_plan.budget_bytes
+        return None if self.verification is None else self.verification.budget_bytes
 
     def scheduled_batch_shapes(self) -> list[ScheduledShape]:
         """Every (batch size, latent (T, H, W)) training can schedule, with its number of batches

@@ -32,10 +32,11 @@ def test_calibration_and_surgery_in_a_group_of_one(tmp_path):
     trainer.fit(VideoDiTModule(**TINY), datamodule=datamodule)
     assert trainer.world_size == 1 and torch.distributed.is_initialized()
     assert surgery.report.num_replaced == 2  # one block and the head
-    assert calibration.trusted and len(calibration.points) == 6
-    assert [w["status"] for w in calibration.warmed_shapes] == ["warmed"] * len(ShapesDataModule.SCHEDULED)
+    assert calibration.result.trusted and len(calibration.result.points) == 6
+    shapes = calibration.result.verification.verification.shapes
+    assert [m.status for m in shapes] == ["fits"] * len(ShapesDataModule.SCHEDULED)
     [(cost_model, _)] = datamodule.cost_model_calls
-    assert cost_model is calibration.cost_model and trainer.global_step == 1
+    assert cost_model is calibration.result.cost_model and trainer.global_step == 1
 
 
 def test_per_bucket_checkpointing_in_a_group_of_one(tmp_path):

@@ -89,10 +89,11 @@ def test_demo_config_trains_a_few_steps_on_cpu(tmp_path, capsys, caplog):
     from lightning_adaptiveload.data.index import read_index
     index = read_index(tmp_path / "index.jsonl")
     shape_of = {index.key(i): tuple(int(v) for v in index.latent_shape[i]) for i in range(len(index))}
-    warmed = {(w["batch_size"], tuple(w["latent_shape"])) for w in doc["warmed_shapes"] if w["status"] == "warmed"}
-    assert len(warmed) == len(doc["warmed_shapes"]) > 0
+    verified = {(m["batch_size"], tuple(m["latent_shape"])) for m in doc["verification"]["shapes"]
+                if m["status"] == "fits"}
+    assert len(verified) == len(doc["verification"]["shapes"]) > 0
     trained = {(len(keys), shape_of[keys[0]]) for keys in _epoch_batches(path)}
-    assert trained <= warmed
+    assert trained <= verified
     assert (log_dir / "calibration_fit.png").exists() and (tmp_path / "calibration_cache.json").exists()
     with open(log_dir / "metrics.csv") as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]

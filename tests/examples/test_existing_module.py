@@ -36,7 +36,7 @@ def test_existing_module_trains_with_calibration_and_balance_monitor(tmp_path):
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     datamodule = trainer.datamodule
     calibration = next(cb for cb in trainer.callbacks if type(cb).__name__ == "CostModelCalibration")
-    assert datamodule.cost_model is calibration.cost_model and calibration.cost_model.p > 0
+    assert datamodule.cost_model is calibration.result.cost_model and calibration.result.cost_model.p > 0
     assert trainer.global_step == 3
     with open(f"{trainer.log_dir}/metrics.csv") as f:
         assert sum(1 for row in csv.DictReader(f) if row.get("loss")) == 3

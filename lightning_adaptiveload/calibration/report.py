@@ -1,0 +1,175 @@
+"""What a calibration leaves for people and for later runs: `calibration.json` (the record, also the
+cache), the fitted models' JSON, the fit's plot, the printed report and the logged metrics."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import lightning
+import numpy as np
+import torch
+
+from lightning_adaptiveload._environment import ALLOCATOR_VARIABLES
+from lightning_adaptiveload.calibration.record import FORMAT, INFEASIBLE, VERSION, write_json
+from lightning_adaptiveload.calibration.result import CalibrationResult
+from lightning_adaptiveload.scheduling.cost_model import plot_fit
+
+
+def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
+    """The calibration.json document of `result` under cache key `key` (calibration/record.py)."""
+    cm = result.cost_model
+    full = key["depths"][0] if key["depths"] else None
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "key": key,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+        "allocator": {name: os.environ[name] for name in ALLOCATOR_VARIABLES if name in os.environ},
+        "seconds": round(result.calibration_s, 3),
+        "source": result.source.value,
+        "trusted": result.trusted,
+        "distrust_reasons": list(result.distrust_reasons),
+        "policy": policy,
+        "m_mem": result.m_mem,
+        "peak_unit": ("bytes saved for backward (CPU estimate)" if key["device"] == "cpu"
+                      else "bytes (CUDA max_memory_allocated)"),
+        "cost_model": None if cm is None else cm.to_dict(),
+        # `measurements` holds the feasible points the cost model is fitted to (every block
+        # checkpointed), in the format cost_model.load_cost_model reads
+        "measurements": [p for p in result.points if p["status"] == "ok" and p.get("checkpointed") == full],
+        "points": result.points,
+        "depths": key["depths"],
+        "memory_plan": _memory_document(result),
+        "compiled_regions": len(result.compiled_regions),
+        "recompile_limit": result.recompile_limit,
+        "verify_seconds": round(result.verify_s, 3),
+        "verification": _verification_document(result),
+    }
+
+
+def _memory_document(result: CalibrationResult) -> dict | None:
+    """The memory plan's part of calibration.json: None without PerBucketCheckpointing."""
+    memory = result.memory
+    if memory is None:
+        return None
+    om = memory.optimizer_memory
+    return {"used": memory.used, "distrust_reasons": list(memory.distrust_reasons),
+            "device_memory_bytes": memory.device_memory_bytes,
+            "optimizer_memory": {"state_bytes": om.state_bytes, "param_bytes": om.param_bytes,
+                                 "step_bytes": om.step_bytes, "rule": om.rule},
+            "memory_model": None if memory.memory_model is None else memory.memory_model.to_dict(),
+            "depth_cost_model": None if memory.depth_cost_model is None else memory.depth_cost_model.to_dict()}
+
+
+def _verification_document(result: CalibrationResult) -> dict | None:
+    outcome = result.verification
+    if outcome is None:
+        return None
+    state = result.optimizer_state
+    return {"rounds": outcome.rounds, "converged": outcome.converged, "settled": list(outcome.settled),
+            "unresolved": list(outcome.unresolved), "left_cold": outcome.left_cold,
+            "seconds": round(outcome.seconds, 3),
+            "optimizer_state": None if state is None else {"state_bytes": state.state_bytes,
+                                                           "step_peak_bytes": state.step_peak_bytes,
+                                                           "created": state.created},
+            **outcome.verification.to_dict()}
+
+
+def save_outputs(log_dir: Path, result: CalibrationResult, doc: dict) -> None:
+    """calibration.json, the fitted models and calibration_fit.png into `log_dir`."""
+    write_json(log_dir / "calibration.json", doc)
+    memory = result.memory
+    if memory is not None and memory.memory_model is not None:
+        write_json(log_dir / "calibration_memory_model.json", memory.memory_model.to_dict())
+        write_json(log_dir / "calibration_depth_cost_model.json", memory.depth_cost_model.to_dict())
+    if result.cost_model is None:
+        return
+    write_json(log_dir / "calibration_cost_model.json", result.cost_model.to_dict())
+    feasible = doc["measurements"]
+    if feasible:  # none for a cost model given as is
+        b, s, t = ([p[k] for p in feasible] for k in ("batch_size", "seq_len", "time_ms"))
+        plot_fit(result.cost_model, b, s, t, log_dir / "calibration_fit.png")
+
+
+def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
+    """The grid with the models' predictions, the verdicts, the budgets and the verification summary."""
+    cm = result.cost_model
+    memory = result.memory
+    depth_model = None if memory is None else memory.depth_cost_model
+    full = doc["depths"][0] if doc["depths"] else None
+    lines = [f"{'S':>8} {'B':>5} {'k':>4} {'time ms':>10} {'pred ms':>10} {'peak MiB':>10}  status"]
+    for p in result.points:
+        ok = p["status"] == "ok"
+        k = p.get("checkpointed")
+        predicted = f"{'':>10}"
+        if ok and depth_model is not None:
+            predicted = f"{depth_model.predict(p['batch_size'], p['seq_len'], k):>10.2f}"
+        elif ok and cm is not None and k == full:
+            predicted = f"{cm.predict(p['batch_size'], p['seq_len']):>10.2f}"
+        lines.append(f"{p['seq_len']:>8} {p['batch_size']:>5} {'-' if k is None else k:>4} "
+                     + (f"{p['time_ms']:>10.2f} {predicted} {p['peak_bytes'] / 2**20:>10.1f}" if ok
+                        else f"{'':>10} {'':>10} {'':>10}")
+                     + f"  {p['status']}")
+    source = {"cache": " (from cache)", "checkpoint": " (from checkpoint)", "given": " (given)"}.get(result.source.value, "")
+    if cm is not None:
+        q = cm.quality
+        lines.append(f"cost model {cm!r}; mean rel err {q['mean_rel_err']:.1%}, held-out {q['heldout_mean_rel_err']:.1%}; "
+                     + ("trusted" if result.trusted else "NOT trusted: " + "; ".join(result.distrust_reasons)))
+    else:
+        lines.append("no cost model: " + "; ".join(result.distrust_reasons))
+    if memory is not None and memory.memory_model is not None:
+        q = memory.memory_model.quality
+        lines.append(f"memory model {memory.memory_model!r}; held-out mean {q['heldout_mean_rel_err']:.1%}, max "
+                     f"{q['heldout_max_rel_err']:.1%}; " + ("used" if memory.used else "NOT used: "
+                                                             + "; ".join(memory.distrust_reasons)))
+    lines.append(f"M_mem = {result.m_mem or 'kept from the DataModule'}"
+                 + (f", M_comp = {cm.m_comp(result.m_mem, longest):.4g} (ref S = {longest})"
+                    if result.m_mem and result.trusted else "")
+                 + f"; policy {doc['policy']}; {doc['seconds']:.1f} s{source}")
+    if result.verification is not None:
+        lines.append(format_verification(result))
+    return "\n".join(lines)
+
+
+def format_verification(result: CalibrationResult) -> str:
+    """One line: what verification ran, what it changed, what it cost; and the first steps' excess."""
+    outcome = result.verification
+    shapes = outcome.verification.shapes
+    failed = [m for m in shapes if not m.fits]
+    line = (f"verification: {len(shapes)} shape(s) run in {outcome.rounds} round(s), {outcome.seconds:.1f} s; "
+            f"{len(failed)} did not fit ({sum(m.status == 'oom' for m in failed)} out of memory) and were planned again; "
+            + ("converged" if outcome.converged else f"settled {len(outcome.settled)} bucket(s) on their safest batch"))
+    if outcome.unresolved:
+        line += f"; {len(outcome.unresolved)} bucket(s) UNRESOLVED"
+    if outcome.left_cold:
+        line += f"; {outcome.left_cold} partial batch shape(s) left cold"
+    excess = [m.cold_ms - m.warm_ms for m in shapes if m.fits]
+    if excess:
+        line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
+    return line
+
+
+def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:
+    """The numbers logged at step 0 (self.log is not allowed in on_fit_start: the loggers get them)."""
+    cm = result.cost_model
+    out = {"calibration/points": float(len(doc["measurements"])),
+           "calibration/infeasible": float(sum(p["status"] in INFEASIBLE for p in result.points)),
+           "calibration/seconds": doc["seconds"], "calibration/trusted": float(result.trusted),
+           "calibration/from_cache": float(result.source.value == "cache"),
+           "calibration/verify_seconds": doc["verify_seconds"]}
+    if result.verification is not None:
+        shapes = result.verification.verification.shapes
+        out.update({"calibration/verified_shapes": float(len(shapes)),
+                    "calibration/replanned_shapes": float(sum(not m.fits for m in shapes)),
+                    "calibration/verify_rounds": float(result.verification.rounds),
+                    "calibration/shapes_left_cold": float(result.verification.left_cold)})
+    if cm is not None:
+        out["calibration/p"] = cm.p
+        if math.isfinite(cm.quality["heldout_mean_rel_err"]):
+            out["calibration/heldout_mean_rel_err"] = cm.quality["heldout_mean_rel_err"]
+    if result.m_mem:
+        out["calibration/m_mem"] = float(result.m_mem)
+    return out

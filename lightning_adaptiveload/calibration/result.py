@@ -1,0 +1,79 @@
+"""CalibrationResult: everything one calibration decided, in one frozen object."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from lightning_adaptiveload.calibration.memory import MaterializedState, OptimizerMemory
+from lightning_adaptiveload.calibration.verify import VerifyOutcome
+from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+
+
+class Source(str, Enum):
+    """Where the calibration points came from."""
+
+    MEASURED = "measured"
+    MEASURED_AGAIN = "measured again"  # the first fit was distrusted: measured once more, longer
+    CACHE = "cache"
+    CHECKPOINT = "checkpoint"  # a resumed fit schedules with the calibration it started with
+    GIVEN = "given"  # a fitted cost model handed in as is (cost_model_path): no points
+
+    @property
+    def measured(self) -> bool:
+        return self in (Source.MEASURED, Source.MEASURED_AGAIN)
+
+
+@dataclass(frozen=True)
+class MemoryPlanResult:
+    """The memory plan's part (with PerBucketCheckpointing): used: the DataModule plans with it;
+    distrust_reasons: why not ([] when used); the fitted models (None when not fitted); the optimizer
+    memory the plan adds to calibration's peaks; device_memory_bytes: the smallest device of the ranks."""
+
+    used: bool
+    distrust_reasons: tuple[str, ...]
+    memory_model: MemoryModel | None
+    depth_cost_model: DepthCostModel | None
+    optimizer_memory: OptimizerMemory
+    device_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """source: where the points came from; points: the grid points (dicts, calibration.json's
+    "points"); cost_model: the fit at every block checkpointed (None: none could be fitted);
+    distrust_reasons: why it is not trusted ([]: trusted); m_mem: the M_mem handed to the DataModule
+    (measured, or given as CalibrationConfig.m_mem; None: the DataModule keeps its own); memory: the
+    memory plan's part (None without PerBucketCheckpointing); verification: the verification loop's
+    outcome (None when it did not run) and optimizer_state what its optimizer step measured;
+    calibration_s, verify_s: wall seconds of the two parts; compiled_regions, recompile_limit: the
+    compiled submodules found and dynamo's limit set for them (None: not compiled)."""
+
+    source: Source
+    points: list[dict]
+    cost_model: CostModel | None
+    distrust_reasons: tuple[str, ...]
+    m_mem: int | None
+    memory: MemoryPlanResult | None = None
+    verification: VerifyOutcome | None = None
+    optimizer_state: MaterializedState | None = None
+    calibration_s: float = 0.0
+    verify_s: float = 0.0
+    compiled_regions: tuple[str, ...] = field(default_factory=tuple)
+    recompile_limit: int | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return not self.distrust_reasons
+
+    @property
+    def memory_plan_used(self) -> bool:
+        return self.memory is not None and self.memory.used
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the record may be cached for later runs: measured now, trusted, and (where it ran)
+        verified without a bucket left unresolved or settled on a fallback; a plan that failed
+        verification is never reused."""
+        verified = self.verification is None or (self.verification.converged and not self.verification.unresolved)
+        return self.source.measured and self.trusted and verified

@@ -1,0 +1,359 @@
+"""Verification: every batch shape the schedule holds runs as a training step before training, and the
+buckets whose shapes do not fit are planned again until they do.
+
+A plan is a prediction: the memory and time models are fitted on a grid and asked about depths and
+batch sizes it never held (on an H200 the shipped config planned k = 0 and B up to 215 from points at
+k = 30 and 15, and ran out of memory in training). Verification measures what the plan will run:
+
+    round r:  the bucket table and its scheduled shapes (full batches, then partial ones)
+              -> run each shape not measured yet, cold then warm (`measure`), peak allocated and
+                 reserved against the budget
+              -> a bucket whose full batch fits is pinned at it; one over the budget or out of memory
+                 gets a tighter BucketLimit: more blocks checkpointed at no larger B, and at every
+                 block checkpointed a smaller B (`tighten`)
+              -> `plan.apply(Verification, refit)`: the models refitted on everything measured, the
+                 limits and measured step times handed to the DataModule; the schedule changes
+    until a round finds nothing left to measure (converged), or after `max_rounds` re-plans; then
+    each bucket still without a fitting full batch is settled on the safest choice: its largest
+    measured-to-fit batch, else every block checkpointed at the largest B predicted to fit, else at
+    B = 1, each measured once more, else the bucket and every longer one is left out of the schedule
+    (counted as oversize by the epoch plan).
+
+The loop is a plain class over two injected parts, so it is tested with fake measurements on a CPU:
+`measure(shape) -> dict` (one shape's steps, agreed across ranks by the runner) and a `Plan` (the
+DataModule and the models). Every rank runs the same loop on the same measurements (the runner
+reduces them over ranks), so every rank takes the same decisions and the same number of steps.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from lightning_adaptiveload.scheduling.buckets import ScheduledShape
+from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification
+
+
+class Plan(Protocol):
+    """The schedule verification measures and changes (calibration/loop.py adapts the DataModule)."""
+
+    def buckets(self) -> dict[int, tuple[int, tuple[int, int, int] | None, int | None]]:
+        """seq_len -> (B, latent (T, H, W), k) of each scheduled bucket's full batch (k None without a
+        memory plan)."""
+
+    def shapes(self) -> list[ScheduledShape]:
+        """Every (B, latent, batches per epoch, k) the epoch can schedule."""
+
+    def seq_len(self, latent_shape: tuple[int, int, int]) -> int:
+        """The bucket key (scheduled tokens) of a latent shape."""
+
+    def predict(self, shape: ScheduledShape) -> tuple[float | None, float | None]:
+        """(step ms, peak bytes) the models predict for a shape (None where there is no model); the
+        verifier scales the peak by the bucket's memory_scale."""
+
+    def apply(self, verification: Verification, refit: bool) -> None:
+        """Schedule within `verification` from now on; refit: fit the models again on everything
+        measured first (a shape did not fit)."""
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """verification: the final limits and measurements (also handed to the plan); rounds: rounds
+    run; converged: every bucket's target batch was measured to fit within max_rounds re-plans;
+    settled: buckets (seq_len) settled on a fallback choice after that; unresolved: buckets whose
+    scheduled target is still not measured to fit at the end (empty unless the plan cannot take
+    limits: a DataModule without set_verification); left_cold: scheduled shapes never run (partial
+    batches of a verified bucket; their first occurrence pays its kernel builds in training);
+    seconds: wall time of the loop."""
+
+    verification: Verification
+    rounds: int
+    converged: bool
+    settled: tuple[int, ...]
+    unresolved: tuple[int, ...]
+    left_cold: int
+    seconds: float
+
+
+def tighten(limit: BucketLimit | None, failed: MeasuredShape, num_blocks: int | None, budget_bytes: float,
+            device_bytes: float) -> BucketLimit | None:
+    """The bucket's next limit after `failed` (its shape over the budget or out of memory): at k < L
+    more blocks checkpointed at no larger B, else a smaller B (in proportion to budget / measured, at
+    least one less); None when B = 1 with every block checkpointed did not fit. Its memory scale
+    becomes the measured / predicted peak (an out-of-memory step needed more than the device)."""
+    old = limit or BucketLimit()
+    used = failed.used_bytes if failed.used_bytes is not None else float(device_bytes)
+    scale = old.memory_scale
+    if failed.predicted_peak_bytes:  # the prediction was already scaled by the old limit's scale
+        scale = max(scale, scale * used / failed.predicted_peak_bytes)
+    b, k = failed.batch_size, failed.checkpointed
+    if k is not None and num_blocks is not None and k < num_blocks:
+        return BucketLimit(max_batch_size=b, min_checkpointed=k + 1, memory_scale=scale)
+    if b > 1:
+        smaller = min(b - 1, int(b * budget_bytes / used))
+        return BucketLimit(max_batch_size=max(1, smaller), min_checkpointed=old.min_checkpointed, memory_scale=scale)
+    return None
+
+
+class PlanVerifier:
+    """Runs the verification rounds (module docstring).
+
+    measure(shape, warm=True) -> {"status": "ok", "cold_ms", "warm_ms", "peak_bytes", "reserved_bytes"}
+    or {"status": "oom"} (warm=False: one step only, no "warm_ms"); budget_bytes: the memory a step may hold (its reserved peak included);
+    device_bytes: the device's memory (what an out-of-memory step needed at least); num_blocks: the
+    switchable blocks L (None without per-bucket checkpointing); max_rounds: rounds that may re-plan;
+    progress: a line per shape.
+
+    A bucket's target is its largest scheduled batch at its depth (the table's B, or all of a bucket
+    smaller than one batch); targets are measured first, the other (partial) batches once every target
+    fits. Rounds that only measure partial batches (they fit: fewer samples than a fitting target)
+    are bounded by MAX_PARTIAL_ROUNDS; what is left then stays cold.
+    """
+
+    MAX_PARTIAL_ROUNDS = 2
+
+    def __init__(self, measure: Callable[..., dict], plan: Plan, *, budget_bytes: float,
+                 device_bytes: float, num_blocks: int | None, max_rounds: int = 3,
+                 progress: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.measure, self.plan = measure, plan
+        self.budget_bytes, self.device_bytes, self.num_blocks = float(budget_bytes), float(device_bytes), num_blocks
+        self.max_rounds = int(max_rounds)
+        self.progress = progress or (lambda line: None)
+        self.clock = clock
+        self.shapes: dict[tuple, MeasuredShape] = {}
+        self.limits: dict[int, BucketLimit] = {}
+        self.max_seq_len: int | None = None
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, prior: Verification | None = None, frozen: bool = False) -> VerifyOutcome:
+        """The rounds. prior: a verification recorded earlier (a cache of this model, device and
+        budget, or the checkpoint being resumed): its shapes count as measured and its limits hold;
+        each of its fitting shapes the schedule holds runs once (`measure(shape, warm=False)`: its
+        kernels are built now, and it is checked to fit still), and one that no longer fits is
+        measured and planned again. frozen (a resume, whose epoch plan rests on the recorded times):
+        nothing is measured anew, and a recorded shape that no longer fits is an error."""
+        start = self.clock()
+        rounds = replans = partial_rounds = 0
+        if prior is not None:
+            rounds += 1
+            stale = self._rewarm(prior, rounds)
+            if frozen:
+                if stale:
+                    raise RuntimeError(f"verification: {len(stale)} batch shape(s) of the resumed plan no longer fit "
+                                       f"(e.g. {_describe(stale[0])}): this device or configuration is not the one the "
+                                       f"checkpoint was planned on; resuming would change the epoch's batches")
+                return VerifyOutcome(self._verification(), rounds, True, (), (),
+                                     sum(len(group) for group in self._pending()), self.clock() - start)
+        while True:
+            targets, partial = self._pending()
+            if not targets and (not partial or partial_rounds >= self.MAX_PARTIAL_ROUNDS):
+                break
+            if targets and replans >= self.max_rounds:
+                break
+            rounds += 1
+            partial_rounds += not targets
+            failed = self._measure_all(targets or partial, rounds)
+            replans += failed
+            if failed:  # the refit predicts the failed shapes anew: their buckets' scales follow it
+                self.plan.apply(self._verification(), refit=True)
+                self._rescale()
+            self.plan.apply(self._verification(), refit=False)
+        unresolved = self._unresolved()
+        settled: tuple[int, ...] = ()
+        if unresolved:
+            rounds += 1
+            settled = self._settle(unresolved, rounds)
+        left_cold = sum(len(group) for group in self._pending())
+        return VerifyOutcome(self._verification(), rounds, not unresolved, settled, tuple(s for s, _ in self._unresolved()),
+                             left_cold, self.clock() - start)
+
+    def _rewarm(self, prior: Verification, rnd: int) -> list[ScheduledShape]:
+        """Seed the loop with `prior`, run each of its fitting shapes the schedule holds once; drop and
+        return those that no longer fit (their bucket is then planned again)."""
+        self.shapes = {(m.batch_size, m.seq_len, m.checkpointed): m for m in prior.shapes}
+        self.limits, self.max_seq_len = dict(prior.limits), prior.max_seq_len
+        self.plan.apply(self._verification(), refit=False)
+        recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
+                    if (m := self._measured(seq_len, shape)) is not None and m.fits]
+        stale = []
+        for i, (seq_len, shape) in enumerate(recorded):
+            raw = self.measure(shape, warm=False)
+            fits = raw["status"] == "ok" and max(raw["peak_bytes"], raw.get("reserved_bytes") or 0) <= self.budget_bytes
+            note = f"{raw['cold_ms']:.1f} ms cold, fits as recorded" if fits else "NO LONGER FITS"
+            if not fits:  # recorded anew as what it is now (its one step's time stands for both), and re-planned
+                stale.append(shape)
+                self._run(seq_len, shape, rnd, {**raw, "warm_ms": raw.get("cold_ms")})
+                note += self._tighten(seq_len, self._measured(seq_len, shape))
+            self.progress(f"verify round {rnd} (recorded), {i + 1}/{len(recorded)}: {_describe(shape)}: {note}")
+        if stale:
+            self.plan.apply(self._verification(), refit=False)
+        return stale
+
+    def _scheduled(self) -> dict[int, list[ScheduledShape]]:
+        by_bucket: dict[int, list[ScheduledShape]] = {}
+        for shape in self.plan.shapes():
+            by_bucket.setdefault(self.plan.seq_len(shape.latent_shape), []).append(shape)
+        return by_bucket
+
+    def _unresolved(self) -> list[tuple[int, ScheduledShape]]:
+        """(seq_len, target) of the buckets whose target is not measured to fit."""
+        return [(seq_len, target) for seq_len, target in sorted(self._targets().items())
+                if not ((m := self._measured(seq_len, target)) is not None and m.fits)]
+
+    def _rescale(self) -> None:
+        """Each re-planned bucket's memory_scale: measured over predicted peak of its failed shapes under
+        the models as they are now (an out-of-memory shape needed at least the device), at least 1."""
+        for seq_len, limit in list(self.limits.items()):
+            if limit.pinned:
+                continue
+            ratios = []
+            for m in self.shapes.values():
+                if m.seq_len != seq_len or m.fits:
+                    continue
+                predicted = self.plan.predict(ScheduledShape(m.batch_size, m.latent_shape, 0, m.checkpointed))[1]
+                if predicted:
+                    ratios.append((m.used_bytes if m.used_bytes is not None else self.device_bytes) / predicted)
+            self.limits[seq_len] = replace(limit, memory_scale=max([1.0, *ratios]))
+
+    def _verification(self) -> Verification:
+        return Verification(tuple(self.shapes.values()), dict(self.limits), self.max_seq_len, self.budget_bytes)
+
+    def _measured(self, seq_len: int, shape: ScheduledShape) -> MeasuredShape | None:
+        return self.shapes.get((int(shape.batch_size), int(seq_len), shape.checkpointed))
+
+    def _pending(self) -> tuple[list[tuple[int, ScheduledShape]], list[tuple[int, ScheduledShape]]]:
+        """(targets, partial): the (seq_len, shape) not measured yet, targets most batches per epoch first."""
+        by_bucket = self._scheduled()
+        targets, partial = [], []
+        for seq_len, target in self._targets(by_bucket).items():
+            if self._measured(seq_len, target) is None:
+                targets.append((seq_len, target))
+            partial += [(seq_len, shape) for shape in by_bucket.get(seq_len, [])
+                        if shape != target and self._measured(seq_len, shape) is None]
+        order = lambda item: (-item[1].batches_per_epoch, item[0], item[1].batch_size)  # noqa: E731
+        return sorted(targets, key=order), sorted(partial, key=order)
+
+    def _targets(self, by_bucket: dict[int, list[ScheduledShape]] | None = None) -> dict[int, ScheduledShape]:
+        """seq_len -> the shape that decides whether the bucket fits: its largest scheduled batch at its depth."""
+        by_bucket = self._scheduled() if by_bucket is None else by_bucket
+        targets = {}
+        for seq_len, (b, thw, k) in self.plan.buckets().items():
+            scheduled = [shape for shape in by_bucket.get(seq_len, []) if shape.checkpointed == k]
+            targets[seq_len] = max(scheduled, key=lambda x: x.batch_size) if scheduled else ScheduledShape(b, thw, 0, k)
+        return targets
+
+    def _measure_all(self, todo: list[tuple[int, ScheduledShape]], rnd: int) -> bool:
+        """Measure every shape of `todo`; True if any did not fit (its bucket's limit tightened)."""
+        failed = False
+        targets = self._targets()
+        for i, (seq_len, shape) in enumerate(todo):
+            measured = self._run(seq_len, shape, rnd)
+            if measured.fits:
+                note = ""
+                limit = self.limits.get(seq_len) or BucketLimit()
+                if shape == targets.get(seq_len) and not limit.pinned:
+                    self.limits[seq_len] = BucketLimit(shape.batch_size, shape.checkpointed or 0, limit.memory_scale,
+                                                       pinned=True)
+                    note = " (pinned)"
+            else:
+                failed = True
+                note = self._tighten(seq_len, measured)
+            self.progress(f"verify round {rnd}, {i + 1}/{len(todo)}: {_describe(shape)}: {_result(measured)}{note}")
+        return failed
+
+    def _run(self, seq_len: int, shape: ScheduledShape, rnd: int, raw: dict | None = None) -> MeasuredShape:
+        """Measure `shape` (or record `raw`, a measurement made already) and keep it."""
+        predicted_ms, predicted_peak = self.plan.predict(shape)
+        if predicted_peak is not None and seq_len in self.limits:  # what the plan expects of this bucket now
+            predicted_peak *= self.limits[seq_len].memory_scale
+        raw = self.measure(shape) if raw is None else raw
+        common = dict(batch_size=int(shape.batch_size), seq_len=int(seq_len),
+                      latent_shape=None if shape.latent_shape is None else tuple(shape.latent_shape),
+                      checkpointed=shape.checkpointed, predicted_ms=predicted_ms,
+                      predicted_peak_bytes=predicted_peak, round=rnd)
+        if raw["status"] == "oom":
+            measured = MeasuredShape(status="oom", **common)
+        else:
+            used = max(raw["peak_bytes"], raw.get("reserved_bytes") or 0)
+            measured = MeasuredShape(status="fits" if used <= self.budget_bytes else "over_budget",
+                                     warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"], peak_bytes=raw["peak_bytes"],
+                                     reserved_bytes=raw.get("reserved_bytes"), **common)
+        self.shapes[(int(shape.batch_size), int(seq_len), shape.checkpointed)] = measured
+        return measured
+
+    def _tighten(self, seq_len: int, failed: MeasuredShape) -> str:
+        limit = tighten(self.limits.get(seq_len), failed, self.num_blocks, self.budget_bytes, self.device_bytes)
+        if limit is not None:
+            self.limits[seq_len] = limit
+            return f" -> B <= {limit.max_batch_size}, k >= {limit.min_checkpointed}"
+        self._leave_out_from(seq_len)
+        return f" -> buckets of {seq_len} tokens and more are left out: not even B = 1 fits"
+
+    def _leave_out_from(self, seq_len: int) -> None:
+        shorter = [s for s in self.plan.buckets() if s < seq_len]
+        if not shorter:
+            raise RuntimeError(f"verification: no scheduled batch fits the device: the shortest bucket ({seq_len} "
+                               f"tokens) ran out of memory or over the budget of {self.budget_bytes / 2**30:.2f} GiB at "
+                               f"B = 1 with every block checkpointed")
+        self.max_seq_len = max(shorter) if self.max_seq_len is None else min(self.max_seq_len, max(shorter))
+        for s in [s for s in self.limits if s >= seq_len]:
+            del self.limits[s]
+
+    # ---- after the last re-plan --------------------------------------------------------------
+    def _settle(self, targets: list[tuple[int, ScheduledShape]], rnd: int) -> tuple[int, ...]:
+        """Pin each bucket whose target is not measured to fit on its safest choice (module
+        docstring); returns their seq_lens."""
+        settled = []
+        for seq_len, target in sorted(targets):
+            if self.max_seq_len is not None and seq_len > self.max_seq_len:
+                continue
+            settled.append(seq_len)
+            fitting = [m for m in self.shapes.values() if m.seq_len == seq_len and m.fits]
+            if fitting:
+                best = max(fitting, key=lambda m: (m.batch_size, -(m.checkpointed or 0)))
+                self.limits[seq_len] = BucketLimit(best.batch_size, best.checkpointed or 0,
+                                                   (self.limits.get(seq_len) or BucketLimit()).memory_scale, pinned=True)
+                self.progress(f"verify: bucket {seq_len} settled on its largest batch measured to fit, "
+                              f"{_describe_key(best.batch_size, best.latent_shape, best.checkpointed)}")
+                continue
+            for candidate in self._safe_candidates(seq_len, target):
+                measured = self._measured(seq_len, candidate) or self._run(seq_len, candidate, rnd)
+                if measured.fits:
+                    self.limits[seq_len] = BucketLimit(candidate.batch_size, candidate.checkpointed or 0, pinned=True)
+                    self.progress(f"verify: bucket {seq_len} settled on {_describe(candidate)}: {_result(measured)}")
+                    break
+                self.progress(f"verify: bucket {seq_len} {_describe(candidate)}: {_result(measured)}"
+                              + (self._tighten(seq_len, measured) if candidate.batch_size == 1 else ""))
+        self.plan.apply(self._verification(), refit=False)
+        return tuple(settled)
+
+
+    def _safe_candidates(self, seq_len: int, target: ScheduledShape) -> list[ScheduledShape]:
+        """Every block checkpointed, at the largest B the scaled prediction fits in the budget, then at
+        B = 1 (the least memory a sample of the bucket can need)."""
+        k = None if target.checkpointed is None else self.num_blocks
+        scale = (self.limits.get(seq_len) or BucketLimit()).memory_scale
+        fitting = 1
+        for b in range(int(target.batch_size), 1, -1):
+            peak = self.plan.predict(ScheduledShape(b, target.latent_shape, 0, k))[1]
+            if peak is not None and scale * peak <= self.budget_bytes:
+                fitting = b
+                break
+        sizes = [fitting, 1] if fitting > 1 else [1]
+        return [ScheduledShape(b, target.latent_shape, 0, k) for b in sizes]
+
+
+def _describe_key(b: int, thw: Iterable[int] | None, k: int | None) -> str:
+    return f"B={b} latent {None if thw is None else tuple(thw)}" + ("" if k is None else f" k={k}")
+
+
+def _describe(shape: ScheduledShape) -> str:
+    return _describe_key(shape.batch_size, shape.latent_shape, shape.checkpointed)
+
+
+def _result(m: MeasuredShape) -> str:
+    if m.status == "oom":
+        return "out of memory"
+    return (f"{m.warm_ms:.1f} ms warm ({m.cold_ms:.1f} cold), peak {m.peak_bytes / 2**30:.2f} GiB allocated / "
+            f"{(m.reserved_bytes or m.peak_bytes) / 2**30:.2f} reserved" + ("" if m.fits else ", over the budget"))

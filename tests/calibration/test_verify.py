@@ -1,0 +1,228 @@
+"""The verification loop on a CPU with injected measurements: a fake device whose true peaks differ
+from the memory model's, out-of-memory steps, the bound on re-plans, the fallback, the buckets left
+out, and a recorded verification (cache, resume)."""
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.calibration.verify import PlanVerifier, tighten
+from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
+from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
+from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification
+
+L = 8
+GIB = 2**30
+DEVICE = 80 * GIB
+FRACTION = 0.85
+BUDGET = FRACTION * DEVICE
+TOKENS = np.array([256, 1024, 4096, 9408, 32760])
+COUNTS = np.array([300, 120, 60, 25, 9])
+THW = np.array([[1, 32, 32], [1, 64, 64], [4, 64, 64], [12, 28, 112], [21, 60, 104]])
+
+
+def models():
+    base = CostModel("linear_quadratic", {"a": 30.0, "c1": 4e-3, "c2": 6e-8}, 1.0, {})
+    return (MemoryModel("linear", {"m0": 12 * GIB, "c": 3e6, "a": 5e3, "c_k": 2e6, "b": 1.2e5}, L),
+            DepthCostModel(base, L, 0.25))
+
+
+class FakePlan:
+    """verify.Plan over a real BucketTable (balanced, memory plan) and a fake device."""
+
+    def __init__(self, memory, depth, true_scale=1.3, oom_above=DEVICE, refit_scale=None):
+        self.memory, self.depth = memory, depth
+        self.true_scale, self.oom_above = true_scale, oom_above
+        self.verification = None
+        self.refits = 0
+        self.measured = []  # (B, S, k, warm) of every measure call
+
+    def table(self) -> BucketTable:
+        return BucketTable.build(TOKENS, COUNTS, THW, policy="balanced", m_mem=65536,
+                                 memory_plan=MemoryPlan(self.memory, self.depth, DEVICE, FRACTION),
+                                 verification=self.verification)
+
+    def buckets(self):
+        return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in self.table().rows()}
+
+    def shapes(self):
+        out = []
+        for r in self.table().rows():
+            full, rest = divmod(r["samples"], r["batch_size"])
+            if full:
+                out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
+            if rest:
+                out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
+        return out
+
+    def seq_len(self, thw):
+        return {tuple(t): int(s) for s, t in zip(TOKENS, THW.tolist())}[tuple(thw)]
+
+    def predict(self, shape):
+        s = self.seq_len(shape.latent_shape)
+        return float(self.depth.predict(shape.batch_size, s, shape.checkpointed)), \
+            float(self.memory.predict(shape.batch_size, s, shape.checkpointed))
+
+    def true_peak(self, b, s, k):
+        return self.true_scale * float(self.memory.predict(b, s, k))
+
+    def measure(self, shape, warm=True):
+        s = self.seq_len(shape.latent_shape)
+        self.measured.append((shape.batch_size, s, shape.checkpointed, warm))
+        peak = self.true_peak(shape.batch_size, s, shape.checkpointed)
+        if peak > self.oom_above:
+            return {"status": "oom"}
+        t = 1.1 * float(self.depth.predict(shape.batch_size, s, shape.checkpointed))
+        out = {"status": "ok", "cold_ms": t + 50.0, "peak_bytes": peak, "reserved_bytes": 1.02 * peak}
+        return {**out, "warm_ms": t} if warm else out
+
+    def apply(self, verification, refit):
+        self.verification = verification
+        self.refits += refit
+
+
+def run(plan, **kw):
+    verifier = PlanVerifier(plan.measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L,
+                            max_rounds=kw.pop("max_rounds", 3), **kw)
+    return verifier, verifier.run()
+
+
+def test_tighten_checkpoints_more_blocks_first_then_shrinks_the_batch():
+    over = MeasuredShape(8, 4096, None, 2, "over_budget", warm_ms=5.0, peak_bytes=90e9, reserved_bytes=100e9,
+                         predicted_peak_bytes=80e9)
+    limit = tighten(None, over, L, budget_bytes=50e9, device_bytes=140e9)
+    assert limit == BucketLimit(max_batch_size=8, min_checkpointed=3, memory_scale=100e9 / 80e9)
+    at_full = MeasuredShape(8, 4096, None, L, "over_budget", warm_ms=5.0, peak_bytes=90e9, reserved_bytes=100e9,
+                            predicted_peak_bytes=80e9)
+    # every block checkpointed: B in proportion to budget / measured (8 * 50 / 100 = 4), the old k bound kept
+    assert tighten(BucketLimit(min_checkpointed=L), at_full, L, 50e9, 140e9) == BucketLimit(4, L, 100e9 / 80e9)
+    # out of memory: it needed at least the device (140e9), so B * 120e9 / 140e9, and the scale grows
+    oom = MeasuredShape(3, 4096, None, L, "oom", predicted_peak_bytes=70e9)
+    assert tighten(BucketLimit(memory_scale=1.5), oom, L, 120e9, 140e9) == BucketLimit(2, 0, 1.5 * 140e9 / 70e9)
+    assert tighten(None, MeasuredShape(1, 4096, None, L, "oom"), L, 120e9, 140e9) is None
+    no_switch = MeasuredShape(5, 4096, None, None, "oom")
+    assert tighten(None, no_switch, None, 120e9, 140e9).max_batch_size == 4  # int(5 * 120 / 140)
+    assert tighten(None, no_switch, None, 20e9, 140e9).max_batch_size == 1
+
+
+def test_a_plan_whose_peaks_are_predicted_low_is_planned_again_until_every_target_fits():
+    memory, depth = models()
+    plan = FakePlan(memory, depth, true_scale=1.3)
+    before = plan.buckets()
+    over = [s for s, (b, _, k) in before.items() if plan.true_peak(b, s, k) * 1.02 > BUDGET]
+    assert over, "the fake device must put some planned buckets over the budget"
+    verifier, outcome = run(plan)
+    assert outcome.converged and not outcome.settled and not outcome.unresolved
+    assert plan.refits >= 1 and outcome.rounds <= 3 + PlanVerifier.MAX_PARTIAL_ROUNDS
+    after = plan.buckets()
+    for s, (b, _, k) in after.items():
+        assert plan.true_peak(b, s, k) * 1.02 <= BUDGET  # what the device really holds, within the budget
+        limit = outcome.verification.limits[s]
+        assert limit.pinned and (limit.max_batch_size, limit.min_checkpointed) == (b, k)
+        if s in over:  # re-planned: more blocks checkpointed at no larger B, or a smaller B
+            b0, _, k0 = before[s]
+            assert (b, k) != (b0, k0) and b <= b0 and (k > k0 or b < b0)
+    # every scheduled shape ran, full batches first; each measured with a warm step
+    assert {(x.batch_size, plan.seq_len(x.latent_shape), x.checkpointed) for x in plan.shapes()} <= \
+        {(m.batch_size, m.seq_len, m.checkpointed) for m in outcome.verification.shapes}
+    assert all(warm for *_, warm in plan.measured) and outcome.left_cold == 0
+
+
+def test_out_of_memory_steps_count_as_needing_the_whole_device():
+    memory, depth = models()
+    plan = FakePlan(memory, depth, true_scale=1.6, oom_above=0.9 * DEVICE)
+    _, outcome = run(plan)
+    statuses = [m.status for m in outcome.verification.shapes]
+    assert "oom" in statuses and not outcome.unresolved
+    for s, (b, _, k) in plan.buckets().items():
+        assert plan.true_peak(b, s, k) * 1.02 <= BUDGET
+        # a bucket settled after the re-plans still runs every block checkpointed at the largest B the
+        # scaled model fits, not at B = 1
+        assert s not in outcome.settled or k == L and (b > 1 or s == 32760)
+
+
+def test_re_plans_are_bounded_and_unresolved_buckets_settle_on_their_safest_measured_choice():
+    memory, depth = models()
+    # a device on which nothing but B = 1 with every block checkpointed fits, whatever the models say
+    plan = FakePlan(memory, depth, true_scale=1.0)
+    plan.true_peak = lambda b, s, k: 0.5 * BUDGET if (b, k) == (1, L) else 2 * BUDGET
+    _, outcome = run(plan, max_rounds=2)
+    assert not outcome.converged and outcome.settled and not outcome.unresolved
+    assert plan.refits == 2  # two re-plans, then the fallback
+    for s, (b, _, k) in plan.buckets().items():
+        assert (b, k) == (1, L) and outcome.verification.limits[s].pinned
+
+
+def test_a_bucket_that_fits_nowhere_is_left_out_with_every_longer_one():
+    memory, depth = models()
+    plan = FakePlan(memory, depth, true_scale=1.0)
+    plan.true_peak = lambda b, s, k: 2 * DEVICE if s >= 9408 else 0.5 * BUDGET
+    _, outcome = run(plan, max_rounds=5)
+    assert outcome.verification.max_seq_len == 4096 and sorted(plan.buckets()) == [256, 1024, 4096]
+    assert all(limit.pinned for limit in outcome.verification.limits.values())  # what is left fits
+    only_short = FakePlan(memory, depth)
+    only_short.true_peak = lambda b, s, k: 2 * DEVICE
+    with pytest.raises(RuntimeError, match="no scheduled batch fits the device"):
+        run(only_short)
+
+
+def test_a_recorded_verification_runs_each_shape_once_and_replans_only_what_no_longer_fits():
+    memory, depth = models()
+    first = FakePlan(memory, depth, true_scale=1.3)
+    _, recorded = run(first)
+    again = FakePlan(memory, depth, true_scale=1.3)
+    verifier = PlanVerifier(again.measure, again, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L)
+    outcome = verifier.run(recorded.verification)
+    assert again.buckets() == first.buckets() and outcome.converged
+    # one cold step per recorded fitting shape of the schedule, nothing measured warm
+    assert again.measured and not any(warm for *_, warm in again.measured)
+    assert len(again.measured) == len(again.shapes())
+    # on a device with less room one recorded shape no longer fits: it alone is planned again
+    tight = FakePlan(memory, depth, true_scale=1.3)
+    biggest = max(first.buckets().items(), key=lambda item: tight.true_peak(item[1][0], item[0], item[1][2]))
+    s_big, (b_big, _, k_big) = biggest
+    tight.true_peak = lambda b, s, k: (1.0 if (s, b, k) == (s_big, b_big, k_big) else 0.0) * 2 * BUDGET + \
+        1.3 * float(memory.predict(b, s, k)) * ((s, b, k) != (s_big, b_big, k_big))
+    verifier = PlanVerifier(tight.measure, tight, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L)
+    outcome = verifier.run(recorded.verification)
+    assert outcome.converged and tight.buckets()[s_big] != (b_big, first.buckets()[s_big][1], k_big)
+    assert {s: v for s, v in tight.buckets().items() if s != s_big} == \
+        {s: v for s, v in first.buckets().items() if s != s_big}
+    frozen = FakePlan(memory, depth)
+    frozen.true_peak = tight.true_peak
+    with pytest.raises(RuntimeError, match="no longer fit .* resuming would change the epoch's batches"):
+        PlanVerifier(frozen.measure, frozen, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L).run(
+            recorded.verification, frozen=True)
+
+
+def test_without_a_memory_plan_only_the_batch_size_shrinks():
+    shapes = [ScheduledShape(16, (1, 32, 32), 4, None), ScheduledShape(3, (1, 32, 32), 1, None)]
+    state = {"limit": None}
+
+    class Plain:
+        def buckets(self):
+            b = 16 if state["limit"] is None else min(16, state["limit"].max_batch_size)
+            return {256: (b, (1, 32, 32), None)}
+
+        def shapes(self):
+            b = self.buckets()[256][0]
+            return [ScheduledShape(b, (1, 32, 32), 4, None), ScheduledShape(3, (1, 32, 32), 1, None)]
+
+        def seq_len(self, thw):
+            return 256
+
+        def predict(self, shape):
+            return None, None
+
+        def apply(self, verification, refit):
+            state["limit"] = verification.limits.get(256)
+
+    def measure(shape, warm=True):
+        if shape.batch_size > 6:
+            return {"status": "oom"}
+        return {"status": "ok", "cold_ms": 9.0, "warm_ms": 5.0, "peak_bytes": 1e9 * shape.batch_size,
+                "reserved_bytes": 1e9 * shape.batch_size}
+
+    outcome = PlanVerifier(measure, Plain(), budget_bytes=20e9, device_bytes=40e9, num_blocks=None).run()
+    assert outcome.converged and state["limit"].pinned and Plain().buckets()[256][0] <= 6
+    assert [m.status for m in outcome.verification.shapes][0] == "oom" and shapes

@@ -38,6 +38,7 @@ _EXPORTS = {
     "read_index": "data.index",
     "write_synthetic_shards": "data.shards",
     # training helpers and callbacks
+    "prepare_environment": "_environment",
     "scale_loss_to_global_mean": "loss",
     "CostModelCalibration": "callbacks.calibration",
     "LoadBalanceMonitor": "callbacks.monitor",

@@ -4,7 +4,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "lightning_adaptiveload"
-BASE = {"_validation", "_jsonl", "_distributed", "_imports"}
+BASE = {"_validation", "_jsonl", "_distributed", "_imports", "_environment"}
 # layer -> the package's layers it may import (besides itself and BASE)
 ALLOWED = {
     "scheduling": set(),

@@ -1,7 +1,8 @@
 """LoadBalanceMonitor: the Lightning hooks of the load-balance monitor.
 
-Every train batch each rank records its samples, tokens, bucket seq_len, predicted compute load
-and step time (and, on sampled steps, its busy and communication time from a profiler window).
+Every train batch each rank records its samples, tokens, bucket seq_len, predicted compute load,
+step time and, on CUDA, the step's peak allocated and reserved memory (and, on sampled steps, its
+busy and communication time from a profiler window).
 At each logged step (every `trainer.log_every_n_steps` optimizer steps) the rows buffered since
 the last log go through one all_gather (a float64 tensor of shape (steps, len(FIELDS)) per rank);
 rank 0 appends them to `balance_per_rank.csv` in the log dir (monitoring/per_rank_log.py) and logs
@@ -103,7 +104,10 @@ class LoadBalanceMonitor(Callback):
         self.load_unit = "ms (cost model)" if self._active_cost_model is not None else PROXY_LOAD_UNIT
         self._device = trainer.strategy.root_device
         self._sync = self.sync_cuda and self._device.type == "cuda"
-        self.tracker = BalanceTracker(trainer.world_size, self.window, self.load_unit)
+        self._cuda = self._device.type == "cuda"
+        self.memory_budget_bytes = _memory_budget(trainer.datamodule) if self._cuda else None
+        self.tracker = BalanceTracker(trainer.world_size, self.window, self.load_unit, self.memory_budget_bytes)
+        self._warned_budget = False
         # No window if the fit ends before the first profiled step (short runs skip the warm-up).
         self._busy_period = self.busy_every_n_logs * trainer.log_every_n_steps
         profiles = self._busy_period > 0 and _steps_planned(trainer) >= self._busy_period
@@ -173,6 +177,8 @@ class LoadBalanceMonitor(Callback):
         self._step_at_start = trainer.global_step
         if self._sync:
             torch.cuda.synchronize(self._device)
+        if self._cuda:  # this step's peak, its optimizer step included (it runs before on_train_batch_end)
+            torch.cuda.reset_peak_memory_stats(self._device)
         if self._profiler is not None and self._profile_this_step(trainer):
             self._profiled_step = trainer.global_step
             t_open = time.perf_counter()
@@ -191,8 +197,10 @@ class LoadBalanceMonitor(Callback):
             self.busy_window_ms += (time.perf_counter() - end) * 1e3
         counts = self._compile.read()
         since = self._last_end if self._last_end is not None else self._start
+        peaks = ((torch.cuda.max_memory_allocated(self._device), torch.cuda.max_memory_reserved(self._device))
+                 if self._cuda else (math.nan, math.nan))
         self._rows.append(self._pending + ((end - self._start) * 1e3, (end - since) * 1e3, busy_ms, comm_ms)
-                          + tuple(math.nan if counts[name] is None else counts[name] for name in COMPILE_NAMES))
+                          + tuple(math.nan if counts[name] is None else counts[name] for name in COMPILE_NAMES) + peaks)
         self._last_end = end
         self.steps_seen += 1
         n = trainer.log_every_n_steps
@@ -241,6 +249,14 @@ class LoadBalanceMonitor(Callback):
             rank_zero_warn(f"LoadBalanceMonitor: cannot append to {self.csv_path} ({e}); "
                            f"{rows.shape[0]} batches of per-rank rows are lost, training goes on")
         metrics.update(self._legacy_skipped(trainer))
+        step = int(rows[-1, 0, FIELDS.index("step")])
+        if metrics.get("memory/steps_over_budget") and not self._warned_budget:
+            self._warned_budget = True
+            rank_zero_warn(f"LoadBalanceMonitor: {int(metrics['memory/steps_over_budget'])} step(s) up to step {step} "
+                           f"held more device memory than the plan's budget of {self.memory_budget_bytes / 2**30:.2f} "
+                           f"GiB (peak {metrics['memory/peak_allocated_gib']:.2f} GiB allocated, "
+                           f"{metrics['memory/peak_reserved_gib']:.2f} GiB reserved): the plan did not verify what "
+                           f"training runs (see peak_*_bytes in {self.csv_path})")
         over_limit = self.tracker.ranks_over_recompile_limit()
         if over_limit and not self._warned_limit:
             self._warned_limit = True
@@ -248,7 +264,6 @@ class LoadBalanceMonitor(Callback):
                            f"the code that hit it now runs eagerly (slower) for the rest of the run. Raise "
                            f"torch._dynamo.config.recompile_limit (now {_recompile_limit()}) or mark the varying "
                            f"dims dynamic; TORCH_LOGS=recompiles shows the reasons")
-        step = int(rows[-1, 0, FIELDS.index("step")])
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -299,6 +314,13 @@ def _recompile_limit() -> str:
 
     config = torch._dynamo.config
     return str(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", "unknown")))
+
+
+def _memory_budget(datamodule) -> float | None:
+    """The memory a step may hold under the DataModule's plan (its `memory_budget_bytes()`; ours: the
+    memory plan's or verification's budget), None where it says none."""
+    budget = getattr(datamodule, "memory_budget_bytes", None)
+    return budget() if callable(budget) else None
 
 
 def _scheduling_cost_model(datamodule):

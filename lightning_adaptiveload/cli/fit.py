@@ -1,10 +1,14 @@
 """`adaptiveload fit ARGS...`: Lightning's `LightningCLI` fit subcommand with ARGS passed through
-unchanged (`--config demo.yaml`, `--trainer.max_steps 10`, `--print_config`, `--help`)."""
+unchanged (`--config demo.yaml`, `--trainer.max_steps 10`, `--print_config`, `--help`), in a process
+prepared by `_environment.prepare_environment` (expandable CUDA allocator segments unless configured
+otherwise)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+from lightning_adaptiveload._environment import prepare_environment
 
 
 def register(subparsers) -> None:
@@ -23,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     # against the current directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # before torch is imported; a multi-GPU strategy's other ranks inherit them
+    prepare_environment()
     from lightning.pytorch.cli import LightningCLI
 
     cli_args = ["fit", *args.cli_args]

@@ -23,10 +23,13 @@ class BalanceTracker:
 
     world_size: ranks (the rows' second axis). window: steps of the rolling
     `balance/step_time_cv_temporal`. load_unit: text of the load's unit; loads in ms (a cost
-    model) also give `balance/unpredicted_ms`.
+    model) also give `balance/unpredicted_ms`. memory_budget_bytes: the memory a step may hold
+    under the DataModule's plan (None: none known); steps whose peak (allocated or reserved, on any
+    rank) exceeds it are counted.
     """
 
-    def __init__(self, world_size: int, window: int = 50, load_unit: str = "ms (cost model)"):
+    def __init__(self, world_size: int, window: int = 50, load_unit: str = "ms (cost model)",
+                 memory_budget_bytes: float | None = None):
         if int(window) < 2:
             raise ValueError(f"window must be >= 2 steps, got {window}")
         self.world_size = int(world_size)
@@ -41,6 +44,9 @@ class BalanceTracker:
         self._busy_sums = np.zeros((self.world_size, 2))  # busy_ms, comm_ms summed over profiled steps
         self._busy_steps = 0
         self._last = np.full((self.world_size, len(FIELDS)), np.nan)  # latest row of each rank
+        self.memory_budget_bytes = memory_budget_bytes
+        self._peak = np.full(2, np.nan)  # the run's largest peak allocated, reserved bytes of any rank
+        self.steps_over_budget = 0
         self.steps = 0
 
     def update(self, rows: np.ndarray) -> dict[str, float]:
@@ -93,6 +99,7 @@ class BalanceTracker:
                 out[f"rank{r}/{name}"] = float(means[r, COLUMN[name]])
             if busy_sums is not None:
                 out[f"rank{r}/busy_ms"], out[f"rank{r}/comm_ms"] = (busy_sums[r] / n_profiled).tolist()
+        out.update(self._memory(col("peak_allocated_bytes"), col("peak_reserved_bytes")))
         self._last = rows[-1]
         out.update({f"compile/{name}": value for name, value in self.compile_counts().items()
                     if name != "limit_hits" and value is not None})
@@ -100,6 +107,20 @@ class BalanceTracker:
             self._series[name].append(values)
         self._rank_sums += interval_sums
         self.steps += rows.shape[0]
+        return out
+
+    def _memory(self, allocated: np.ndarray, reserved: np.ndarray) -> dict[str, float]:
+        """memory/* metrics of one interval: the largest peak allocated and reserved GiB of any rank and
+        step, and with a budget the steps whose peak exceeded it on some rank ({} off CUDA: NaN)."""
+        if not np.isfinite(allocated).any():
+            return {}
+        peaks = np.array([np.nanmax(allocated), np.nanmax(reserved)])
+        self._peak = np.fmax(self._peak, peaks)
+        out = {"memory/peak_allocated_gib": float(peaks[0]) / 2**30, "memory/peak_reserved_gib": float(peaks[1]) / 2**30}
+        if self.memory_budget_bytes is not None:
+            over = int((np.fmax(allocated, reserved) > self.memory_budget_bytes).any(axis=1).sum())
+            self.steps_over_budget += over
+            out["memory/steps_over_budget"] = float(over)
         return out
 
     def compile_counts(self) -> dict[str, int | None]:
@@ -150,6 +171,10 @@ class BalanceTracker:
                         "busy_cv_mean": metrics.mean_over_steps(run["busy_cv"]),
                         "busy_max_over_mean_mean": metrics.mean_over_steps(run["busy_max_over_mean"])})
         out.update({f"compile_{name}": value for name, value in self.compile_counts().items()})
+        if np.isfinite(self._peak).all():
+            out.update(peak_allocated_bytes=float(self._peak[0]), peak_reserved_bytes=float(self._peak[1]))
+            if self.memory_budget_bytes is not None:
+                out.update(memory_budget_bytes=float(self.memory_budget_bytes), steps_over_budget=self.steps_over_budget)
         return out
 
     def format_summary(self, summary: dict) -> str:
@@ -177,6 +202,12 @@ class BalanceTracker:
         if summary.get("compile_recompiles") or summary.get("compile_graph_breaks"):
             lines.append(f"torch.compile during training:    {summary['compile_recompiles']} recompiles, "
                          f"{summary['compile_graph_breaks']} graph breaks")
+        if "peak_allocated_bytes" in summary:
+            budget = summary.get("memory_budget_bytes")
+            lines.append(f"peak memory (any rank):           {summary['peak_allocated_bytes'] / 2**30:.2f} GiB allocated, "
+                         f"{summary['peak_reserved_bytes'] / 2**30:.2f} GiB reserved"
+                         + ("" if budget is None else f"; budget {budget / 2**30:.2f} GiB, "
+                            f"{summary['steps_over_budget']} step(s) over it"))
         lines.append(f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
                      f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time "
                      f"{summary['step_time_ms_mean']:.2f} ms)")

@@ -20,14 +20,18 @@ CSV_NAME = "balance_per_rank.csv"
 META_NAME = "balance_meta.json"
 # One row per train batch and rank, in this order (the monitor's gathered tensor follows it too).
 # busy_ms, comm_ms: NaN on batches that were not profiled. compile_*: counts on that rank since
-# the start of training, at the end of the batch.
+# the start of training, at the end of the batch. peak_allocated_bytes, peak_reserved_bytes: the
+# device's peak allocated and reserved memory during the batch's step (its optimizer step included),
+# NaN off CUDA.
 FIELDS = ("epoch", "step", "batch_idx", "samples", "tokens", "seq_len", "load", "step_time_ms", "interval_ms",
-          "busy_ms", "comm_ms", "compile_recompiles", "compile_graph_breaks", "compile_limit_hits")
+          "busy_ms", "comm_ms", "compile_recompiles", "compile_graph_breaks", "compile_limit_hits",
+          "peak_allocated_bytes", "peak_reserved_bytes")
 INT_FIELDS = frozenset(("epoch", "step", "batch_idx", "samples", "tokens", "seq_len", "compile_recompiles",
-                        "compile_graph_breaks", "compile_limit_hits"))
+                        "compile_graph_breaks", "compile_limit_hits", "peak_allocated_bytes", "peak_reserved_bytes"))
 CSV_HEADER = ("epoch", "step", "batch_idx", "rank") + FIELDS[3:]
 # Columns added after the first release: a file written before them reads them as NaN.
-OPTIONAL_FIELDS = ("busy_ms", "comm_ms", "compile_recompiles", "compile_graph_breaks", "compile_limit_hits")
+OPTIONAL_FIELDS = ("busy_ms", "comm_ms", "compile_recompiles", "compile_graph_breaks", "compile_limit_hits",
+                   "peak_allocated_bytes", "peak_reserved_bytes")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 

@@ -116,8 +116,41 @@ def test_proxy_load_and_bad_rows():
     assert "unpredicted_ms_mean" not in tracker.summary() and "busy_cv_mean" not in tracker.summary()
     table = tracker.format_summary(tracker.summary())
     assert "recompiles" not in table and "busy CV" not in table
-    with pytest.raises(ValueError, match=r"shape \(steps >= 1, 3, 14\)"):
+    with pytest.raises(ValueError, match=rf"shape \(steps >= 1, 3, {len(FIELDS)}\)"):
         tracker.update(np.zeros((2, 2, len(FIELDS))))
     with pytest.raises(ValueError, match="window"):
         BalanceTracker(2, window=1)
     assert BalanceTracker(2).summary() == {}
+
+
+def test_peak_memory_per_interval_and_steps_over_the_budget():
+    rng = np.random.default_rng(7)
+    budget = 100 * 2**30
+    tracker = BalanceTracker(RANKS, window=WINDOW, memory_budget_bytes=budget)
+    totals, over_total = [0.0, 0.0], 0
+    for interval in range(3):
+        rows = _interval(rng, 5, set())
+        rows[:, :, COLUMN["peak_allocated_bytes"]] = rng.uniform(60, 105, size=(5, RANKS)) * 2**30
+        rows[:, :, COLUMN["peak_reserved_bytes"]] = rows[:, :, COLUMN["peak_allocated_bytes"]] + \
+            rng.uniform(0, 6, size=(5, RANKS)) * 2**30
+        got = tracker.update(rows)
+        # reference by loops: the largest of any rank and step; a step is over when any rank's
+        # allocated or reserved peak is
+        alloc = max(float(v) for step in rows for v in step[:, COLUMN["peak_allocated_bytes"]])
+        reserved = max(float(v) for step in rows for v in step[:, COLUMN["peak_reserved_bytes"]])
+        over = sum(any(max(r[COLUMN["peak_allocated_bytes"]], r[COLUMN["peak_reserved_bytes"]]) > budget for r in step)
+                   for step in rows)
+        assert got["memory/peak_allocated_gib"] == pytest.approx(alloc / 2**30, rel=1e-12)
+        assert got["memory/peak_reserved_gib"] == pytest.approx(reserved / 2**30, rel=1e-12)
+        assert got["memory/steps_over_budget"] == over
+        totals = [max(totals[0], alloc), max(totals[1], reserved)]
+        over_total += over
+    summary = tracker.summary()
+    assert (summary["peak_allocated_bytes"], summary["peak_reserved_bytes"]) == (totals[0], totals[1])
+    assert summary["steps_over_budget"] == over_total > 0 and summary["memory_budget_bytes"] == budget
+    assert f"{over_total} step(s) over it" in tracker.format_summary(summary)
+    cpu = BalanceTracker(RANKS, window=WINDOW, memory_budget_bytes=budget)
+    rows = _interval(rng, 3, set())
+    rows[:, :, COLUMN["peak_allocated_bytes"]] = rows[:, :, COLUMN["peak_reserved_bytes"]] = np.nan
+    assert not any(key.startswith("memory/") for key in cpu.update(rows))
+    assert "peak_allocated_bytes" not in cpu.summary()

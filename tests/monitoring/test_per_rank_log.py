@@ -66,7 +66,7 @@ def test_meta_round_trip_and_bad_input(tmp_path):
     (tmp_path / log.META_NAME).write_text("{not json")
     with pytest.raises(ValueError, match=r"balance_meta.json: line 1: not valid JSON"):
         log.read_meta(tmp_path)
-    with pytest.raises(ValueError, match=r"shape \(steps, ranks, 14\)"):
+    with pytest.raises(ValueError, match=rf"shape \(steps, ranks, {len(FIELDS)}\)"):
         log.append_rows(tmp_path / "x.csv", np.zeros((2, len(FIELDS))))
     (tmp_path / "bad.csv").write_text("step,rank\n0,0\n")
     with pytest.raises(ValueError, match="missing columns"):
@@ -77,9 +77,9 @@ def test_meta_round_trip_and_bad_input(tmp_path):
     with open(tmp_path / "gap.csv", "w") as f:
         f.write(",".join(CSV_HEADER) + "\n")
         for rank in (0, 1, 1):  # rank 0's row of the second batch is missing
-            f.write(f"0,0,0,{rank},1,10,10,1.0,2.0,2.0,nan,nan,0,0,0\n")
+            f.write(f"0,0,0,{rank},1,10,10,1.0,2.0,2.0,nan,nan,0,0,0,nan,nan\n")
     with pytest.raises(ValueError, match="one row per rank per batch"):
         log.read_per_rank_csv(tmp_path / "gap.csv")
-    (tmp_path / "text.csv").write_text(",".join(CSV_HEADER) + "\n0,0,0,0,1,10,10,abc,2.0,2.0,nan,nan,0,0,0\n")
+    (tmp_path / "text.csv").write_text(",".join(CSV_HEADER) + "\n0,0,0,0,1,10,10,abc,2.0,2.0,nan,nan,0,0,0,nan,nan\n")
     with pytest.raises(ValueError, match="line 2: unreadable number"):
         log.read_per_rank_csv(tmp_path / "text.csv")

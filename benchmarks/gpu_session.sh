@@ -10,8 +10,10 @@
 #   compile  benchmarks/compile.py: eager vs regional compile strategies, +- surgery
 #   warmup   benchmarks/warmup.py: cold shapes with and without the shape warm-up
 #   memory   benchmarks/memory_plan.py: per-bucket activation checkpointing
-#   fsdp1    examples/configs/h200_fsdp.yaml on one GPU (devices 1), short, to the end
-#   fsdp1plan  the same with per-bucket activation checkpointing (the memory plan) on
+#   shipped  benchmarks/shipped_config.py: the shipped config and its baseline as a user runs them
+#            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
+#            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
+#            it to the next call: compiled and compiled95 share one)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
 # (the device tool returns at most 8 files); $OUT/summary.txt has one line per stage.
 set -uo pipefail
@@ -70,29 +72,17 @@ for stage in "$@"; do
         ${WARMUP_ARGS:-} ;;
     memory)
       run memory 290 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
-    fsdp1|fsdp1plan)
-      # fsdp1: issue 15's failing setup, devices 1 and a 60 s calibration budget, on a fresh machine;
-      # fsdp1plan: the same with the memory plan on (PerBucketCheckpointing, data.memory_planning)
-      mkdir -p "$OUT/$stage"
-      python3 - "$OUT/$stage/h200_1gpu.yaml" "$stage" <<'PY'
-import os, sys, yaml
-config = yaml.safe_load(open("examples/configs/h200_fsdp.yaml"))
-trainer = config["trainer"]
-trainer.update(devices=1, max_steps=int(os.environ.get("FSDP1_STEPS", 15)), log_every_n_steps=5,
-               default_root_dir=f"runs/{sys.argv[2]}")
-trainer["logger"]["init_args"]["save_dir"] = f"runs/{sys.argv[2]}"
-callbacks = trainer["callbacks"]
-for callback in callbacks:
-    if callback["class_path"].endswith("CostModelCalibration"):
-        callback["init_args"].update(time_budget_s=60, warmup=1, repeats=2, shape_warmup_budget_s=60)
-if sys.argv[2] == "fsdp1plan":  # after the surgery, before the calibration (docs/memory.md)
-    callbacks.insert(1, {"class_path": "lightning_adaptiveload.callbacks.PerBucketCheckpointing"})
-    config["data"]["init_args"]["memory_planning"] = True
-config["data"]["init_args"].update(synthesize=300, num_workers=8)
-yaml.safe_dump(config, open(sys.argv[1], "w"), sort_keys=False)
-PY
-      run "$stage" 330 python3 -m lightning_adaptiveload fit --config "$OUT/$stage/h200_1gpu.yaml"
-      cp -r "runs/$stage/logs" "$OUT/$stage/" 2>/dev/null ;;
+    shipped)
+      run shipped "${SHIPPED_LIMIT_S:-560}" python3 benchmarks/shipped_config.py --runs "${SHIPPED_RUNS:-baseline,compiled}" \
+        --samples "${SHIPPED_SAMPLES:-100}" --workdir /tmp/shipped --cache-dir .shipped_cache \
+        --out "$OUT/shipped/shipped_config.json" ${SHIPPED_ARGS:-}
+      for dir in /tmp/shipped/*/; do
+        name=$(basename "$dir"); [ "$name" = shards ] && continue
+        mkdir -p "$OUT/shipped/$name"
+        cp "$dir"fit.log "$dir"config.yaml "$OUT/shipped/$name/" 2>/dev/null
+        cp "$dir"logs/version_0/{calibration.json,balance_per_rank.csv,metrics.csv} "$OUT/shipped/$name/" 2>/dev/null
+      done
+      cp -r .shipped_cache "$OUT/shipped/cache" 2>/dev/null ;;
     *) note "unknown stage $stage"; status=1 ;;
   esac
 done

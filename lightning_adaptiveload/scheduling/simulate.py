@@ -41,7 +41,7 @@ def step_metrics(times_ms: np.ndarray, tokens: np.ndarray, samples: np.ndarray) 
 
 def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: str, steps: int, seed: int = 0,
              m_comp: float | None = None, max_seq_len: int | None = None, num_samples: int | None = None,
-             memory_plan: MemoryPlan | None = None, progress: bool = False) -> dict:
+             memory_plan: MemoryPlan | None = None, drop_last: bool | None = None, progress: bool = False) -> dict:
     """Simulate `steps` data-parallel steps of `policy` (epochs 0, 1, ... of the sampler's plan).
 
     The dataset is the mix's histogram expanded to one entry per sample, or, with num_samples,
@@ -49,8 +49,8 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
     policy, m_mem, m_comp, p, the bucket table (`BucketTable.to_dict()`) and the first epoch's
     sample accounting (samples_per_epoch, steps_per_epoch, dropped_*, samples_scheduled_frac).
     memory_plan: plan batch sizes and checkpointing depths with measured memory (the sampler's
-    memory_plan; each batch priced at its bucket's depth). progress: a tqdm bar of steps on a
-    terminal.
+    memory_plan; each batch priced at its bucket's depth). drop_last: the sampler's (None: its
+    policy's default). progress: a tqdm bar of steps on a terminal.
     """
     steps = require_int("steps", steps)
     if num_samples is None:
@@ -60,7 +60,7 @@ def simulate(mix: ShapeMix, cost_model, *, m_mem: int, world_size: int, policy: 
         seq_lens = rng.choice(mix.tokens, size=require_int("num_samples", num_samples), p=mix.counts / mix.counts.sum())
     sampler = BucketBatchSampler(seq_lens, policy=policy, m_mem=m_mem, m_comp=m_comp, cost_model=cost_model,
                                  num_replicas=world_size, rank=0, seed=seed, max_seq_len=max_seq_len,
-                                 memory_plan=memory_plan)
+                                 memory_plan=memory_plan, drop_last=drop_last)
     price = sampler.bucket_table.step_cost_model(cost_model)
     times, tokens, samples = [], [], []
     epoch, have = 0, 0

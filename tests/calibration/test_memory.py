@@ -82,3 +82,22 @@ def test_state_that_is_there_already_is_left_alone_and_gradients_are_kept():
     for key, value in state["state"].items():
         for name, tensor in value.items():
             assert torch.equal(torch.as_tensor(after["state"][key][name]), torch.as_tensor(tensor))
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_state_is_measured_by_the_allocator_and_the_step_peak_recorded():
+    device = torch.device("cuda")
+    net, twin = model().to(device), model().to(device)
+    optimizer, twin_optimizer = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, twin))
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    with optimizer_state_present([optimizer], device) as state:
+        # AdamW's two moments per parameter on the device (its step counters stay on the CPU)
+        assert state.created and state.state_bytes == 2 * param_bytes
+        # the step held parameters, zero gradients and the new state at once
+        assert state.step_peak_bytes >= 2 * param_bytes + 2 * param_bytes
+    assert len(optimizer.state) == 0
+    x = torch.randn(4, 7, dtype=torch.float64, device=device)
+    real_step(net, optimizer, x)
+    real_step(twin, twin_optimizer, x)
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

@@ -405,6 +405,24 @@ def test_cuda_out_of_memory_is_caught_freed_and_peak_memory_is_recorded(tmp_path
     assert trainer.global_step == 1  # training went on after the out-of-memory points
 
 
+@pytest.mark.cuda
+def test_cuda_verification_runs_with_the_optimizer_state_and_records_reserved_memory(tmp_path):
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[calib])
+    module = VideoDiTModule(**TINY)
+    trainer.fit(module, datamodule=ShapesDataModule())
+    state = calib.result.optimizer_state
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert state.created and state.state_bytes == 2 * param_bytes and state.step_peak_bytes > 4 * param_bytes
+    shapes = calib.result.verification.verification.shapes
+    assert len(shapes) == len(ShapesDataModule.SCHEDULED) and all(m.fits for m in shapes)
+    # every verified step held the optimizer state; the allocator reserved at least what it allocated
+    assert all(m.peak_bytes >= 3 * param_bytes and m.reserved_bytes >= m.peak_bytes for m in shapes)
+    assert all(m.cold_ms > 0 and m.warm_ms > 0 for m in shapes)
+
+
 class AutocastProbe(VideoDiTModule):
     autocast = []
 

@@ -1,0 +1,285 @@
+"""The shipped GPU config as a user runs it, against its baseline, on the same samples (one GPU).
+
+    python benchmarks/shipped_config.py --runs baseline,compiled --out part1.json        # one H200
+    python benchmarks/shipped_config.py --combine part1.json part2.json --out benchmarks/results/shipped_config_h200.json
+    python benchmarks/shipped_config.py --tiny --runs baseline,eager --out /tmp/shipped_cpu.json   # CPU smoke run
+
+Each run is `adaptiveload fit --config ...` in a fresh process with `--trainer.devices 1`, one epoch
+(`max_epochs 1`, no step limit) over the same `--samples` synthetic samples of the reference mix
+(written once per workdir: the shards are a function of the seed, so separate calls train on the same
+samples), calibration `time_budget_s`, `warmup`, `repeats` the same in every run:
+
+  baseline    examples/configs/h200_fsdp_baseline.yaml: every block checkpointed, eager, partial batches dropped
+  eager       examples/configs/h200_fsdp.yaml with model.compile null (memory plan, budget 0.85)
+  compiled    examples/configs/h200_fsdp.yaml as shipped (compile auto, budget 0.85)
+  compiled95  the shipped config at max_memory_fraction 0.95
+
+From each run's log folder (calibration.json, balance_per_rank.csv) and its output: whether it ran out
+of memory; calibration and verification seconds and what verification re-planned; per step the
+batch, the price the plan balanced it at (the monitor's load: verified warm time) and the measured
+step time and peak memory; the epoch's tokens/s (tokens over the sum of interval_ms, data waits
+included), samples trained; every step's peak against the budget; per (B, S) the median step time
+over the plan's price. Against the baseline: the epoch's tokens/s, and the tokens/s on the samples
+both train (`common_sample_speedup`: per bucket S, min(samples trained by either) samples at each run's
+own measured tokens/s of that bucket; the run's time for them over the baseline's).
+`--cache-dir` keeps each run's calibration cache between calls (compiled and compiled95 share a key).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks._meta import run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
+
+RUNS = {
+    "baseline": ("h200_fsdp_baseline.yaml", {}),
+    "eager": ("h200_fsdp.yaml", {"compile": None}),
+    "compiled": ("h200_fsdp.yaml", {}),
+    "compiled95": ("h200_fsdp.yaml", {"max_memory_fraction": 0.95}),
+}
+TINY_MODEL = dict(in_channels=4, dim=64, num_layers=2, num_heads=4, ffn_dim=128, text_dim=32, freq_dim=64)
+TINY_DATA = dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, num_workers=0,
+                 synthesize_shapes=str(REPO / "examples" / "configs" / "demo_mix.jsonl"), synthesize_latent_scale=1.0)
+
+
+def run_config(name: str, args: argparse.Namespace) -> dict:
+    """The YAML of run `name`: its base config with this benchmark's overrides."""
+    base, changes = RUNS[name]
+    config = yaml.safe_load((REPO / "examples" / "configs" / base).read_text())
+    root = str(Path(args.workdir) / name)
+    trainer = config["trainer"]
+    trainer.update(devices=1, max_epochs=1, max_steps=-1, log_every_n_steps=args.log_every, default_root_dir=root,
+                   enable_progress_bar=False)
+    trainer["logger"]["init_args"].update(save_dir=root, name="logs", version=0)
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("CostModelCalibration"):
+            callback["init_args"].update(time_budget_s=args.time_budget_s, warmup=args.warmup, repeats=args.repeats,
+                                         cache_path=str(Path(root) / "calibration_cache.json"))
+            if "max_memory_fraction" in changes:
+                callback["init_args"]["max_memory_fraction"] = changes["max_memory_fraction"]
+    model = config["model"]["init_args"]
+    if "compile" in changes:
+        model["compile"] = changes["compile"]
+    data = config["data"]["init_args"]
+    data.update(shards=str(Path(args.workdir) / "shards"), index=str(Path(args.workdir) / "index.jsonl"),
+                synthesize=args.samples, seed=0)
+    if args.tiny:  # the CPU smoke run: a toy model and the demo mix, no strategy, no compile
+        trainer.update(accelerator="cpu", precision="32-true")
+        trainer.pop("strategy")
+        trainer["callbacks"] = [c for c in trainer["callbacks"] if not c["class_path"].endswith("FusedAdaLNSurgery")]
+        for callback in trainer["callbacks"]:
+            if callback["class_path"].endswith("PerBucketCheckpointing"):
+                callback["init_args"] = {"block_classes": ["examples.video_dit.model.DiTBlock"]}
+            if callback["class_path"].endswith("CostModelCalibration"):
+                callback["init_args"].update(batch_sizes=[1, 2, 4, 8], max_tokens=1280, num_seq_lens=3,
+                                             max_heldout_error=float("inf"), min_work_correlation=-1.0,
+                                             max_memory_heldout_error=float("inf"))
+        model.update(TINY_MODEL, compile=None)
+        data.update(TINY_DATA)
+    return config
+
+
+def launch(name: str, args: argparse.Namespace) -> dict:
+    """Run `name` in a fresh process; its exit, wall time and output."""
+    root = Path(args.workdir) / name
+    root.mkdir(parents=True, exist_ok=True)
+    if args.cache_dir and (Path(args.cache_dir) / f"{name}_calibration_cache.json").exists():
+        shutil.copy(Path(args.cache_dir) / f"{name}_calibration_cache.json", root / "calibration_cache.json")
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(run_config(name, args), sort_keys=False))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    print(f"[{name}] adaptiveload fit --config {path}", flush=True)
+    with open(root / "fit.log", "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "lightning_adaptiveload", "fit", "--config", str(path)], cwd=REPO,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - start
+    text = (root / "fit.log").read_text(encoding="utf-8", errors="replace")
+    if args.cache_dir and (root / "calibration_cache.json").exists():
+        Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{name}_calibration_cache.json")
+    print(f"[{name}] exit {rc} after {wall:.0f} s", flush=True)
+    return {"exit": rc, "wall_s": wall, "out_of_memory": "OutOfMemoryError" in text or "CUDA out of memory" in text,
+            "log_tail": text[-3000:]}
+
+
+def summarize_run(log_dir: Path) -> dict:
+    """What one run's files say (module docstring)."""
+    calibration = json.loads((log_dir / "calibration.json").read_text())
+    cols = read_per_rank_csv(log_dir / CSV_NAME)
+    samples, seq_len = cols["samples"][:, 0], cols["seq_len"][:, 0]
+    step_ms, load, interval = cols["step_time_ms"][:, 0], cols["load"][:, 0], cols["interval_ms"][:, 0]
+    tokens = cols["tokens"][:, 0]
+    peaks = np.fmax(cols["peak_allocated_bytes"][:, 0], cols["peak_reserved_bytes"][:, 0])
+    verification = calibration.get("verification") or {}
+    budget = verification.get("budget_bytes")
+    shapes = {}
+    for b, s in sorted({(int(b), int(s)) for b, s in zip(samples, seq_len)}):
+        at = (samples == b) & (seq_len == s)
+        shapes[f"{b}x{s}"] = {"batch_size": b, "seq_len": s, "steps": int(at.sum()),
+                              "median_step_ms": float(np.median(step_ms[at])), "planned_ms": float(np.median(load[at])),
+                              "median_over_planned": float(np.median(step_ms[at]) / np.median(load[at]) - 1)}
+    buckets = {}
+    for s in sorted({int(v) for v in seq_len}):
+        at = seq_len == s
+        buckets[str(s)] = {"samples": int(samples[at].sum()), "tokens": float(tokens[at].sum()),
+                           "step_s": float(step_ms[at].sum()) / 1e3}
+    over = verification.get("shapes") or []
+    return {
+        "calibration_s": calibration["seconds"], "verify_s": calibration["verify_seconds"],
+        "calibration_source": calibration["source"], "trusted": calibration["trusted"],
+        "memory_plan_used": bool((calibration.get("memory_plan") or {}).get("used")),
+        "allocator": calibration.get("allocator"),
+        "verification": {k: verification.get(k) for k in ("rounds", "converged", "settled", "unresolved", "left_cold")}
+        | {"shapes": len(over), "replanned": sum(m["status"] != "fits" for m in over),
+           "out_of_memory": sum(m["status"] == "oom" for m in over),
+           "optimizer_state": verification.get("optimizer_state")},
+        "steps": int(len(samples)), "samples_trained": int(samples.sum()), "tokens": float(tokens.sum()),
+        "epoch_s": float(interval.sum()) / 1e3, "tokens_per_s": float(tokens.sum() / (interval.sum() / 1e3)),
+        "budget_bytes": budget,
+        "peak_allocated_bytes": float(np.nanmax(cols["peak_allocated_bytes"])) if np.isfinite(peaks).any() else None,
+        "peak_reserved_bytes": float(np.nanmax(cols["peak_reserved_bytes"])) if np.isfinite(peaks).any() else None,
+        "steps_over_budget": None if budget is None or not np.isfinite(peaks).any() else int((peaks > budget).sum()),
+        "shapes": shapes,
+        "worst_shape_median_over_planned": max((abs(v["median_over_planned"]) for v in shapes.values()), default=None),
+        "buckets": buckets,
+    }
+
+
+def common_sample_speedup(baseline: dict, other: dict) -> dict:
+    """Tokens/s of `other` over `baseline` on the samples both train: per bucket S, n = the fewer
+    samples the two trained, timed at each run's own tokens/s of that bucket (its tokens over its
+    steps' seconds); the baseline's total time over the other's."""
+    time_base = time_other = tokens = 0.0
+    for s, b in baseline.items():
+        o = other.get(s)
+        if o is None or not b["samples"] or not o["samples"]:
+            continue
+        n_tokens = min(b["samples"], o["samples"]) * int(s)
+        tokens += n_tokens
+        time_base += n_tokens / (b["tokens"] / b["step_s"])
+        time_other += n_tokens / (o["tokens"] / o["step_s"])
+    return {"tokens": tokens, "baseline_tokens_per_s": tokens / time_base if time_base else math.nan,
+            "tokens_per_s": tokens / time_other if time_other else math.nan,
+            "speedup": time_base / time_other if time_other else math.nan}
+
+
+def compare(runs: dict) -> dict:
+    """Every run against the baseline, where both ran to the end."""
+    base = runs.get("baseline", {}).get("result")
+    if base is None:
+        return {}
+    out = {}
+    for name, run in runs.items():
+        if name == "baseline" or run.get("result") is None:
+            continue
+        result = run["result"]
+        out[name] = {"epoch_tokens_per_s_ratio": result["tokens_per_s"] / base["tokens_per_s"],
+                     "samples_trained": (result["samples_trained"], base["samples_trained"]),
+                     "common_samples": common_sample_speedup(base["buckets"], result["buckets"])}
+    return out
+
+
+def table(runs: dict, comparison: dict) -> str:
+    lines = [f"{'run':<11} {'exit':>5} {'OOM':>4} {'calib s':>8} {'verify s':>9} {'replan':>6} {'samples':>8} "
+             f"{'epoch s':>8} {'tokens/s':>9} {'peak GiB':>9} {'budget':>7} {'over':>5} {'worst shape':>11} "
+             f"{'x base':>7} {'x common':>8}"]
+    for name, run in runs.items():
+        r = run.get("result")
+        if r is None:
+            lines.append(f"{name:<11} {str(run['exit']):>5} {str(run['out_of_memory']):>4}  (no result)")
+            continue
+        peak = max(r["peak_allocated_bytes"] or 0, r["peak_reserved_bytes"] or 0) / 2**30
+        budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**30:.1f}"
+        c = comparison.get(name, {})
+        lines.append(f"{name:<11} {str(run['exit']):>5} {str(run['out_of_memory']):>4} {r['calibration_s']:>8.1f} "
+                     f"{r['verify_s']:>9.1f} {r['verification']['replanned']:>6} {r['samples_trained']:>8} "
+                     f"{r['epoch_s']:>8.1f} {r['tokens_per_s']:>9.0f} {peak:>9.1f} {budget:>7} "
+                     f"{str(r['steps_over_budget']):>5} {100 * (r['worst_shape_median_over_planned'] or 0):>10.1f}% "
+                     + (f"{c['epoch_tokens_per_s_ratio']:>7.3f} {c['common_samples']['speedup']:>8.3f}" if c else
+                        f"{'-':>7} {'-':>8}"))
+    return "\n".join(lines)
+
+
+def plot(runs: dict, path: Path) -> None:
+    """Measured median step time against the plan's price per (B, S), and tokens/s per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in runs.items():
+        r = run.get("result")
+        if r is None:
+            continue
+        planned = [v["planned_ms"] for v in r["shapes"].values()]
+        measured = [v["median_step_ms"] for v in r["shapes"].values()]
+        left.scatter(planned, measured, label=name, s=18)
+    lim = left.get_xlim()
+    left.plot(lim, lim, "k--", lw=0.8)
+    left.set(xscale="log", yscale="log", xlabel="plan's price (ms)", ylabel="median training step (ms)",
+             title="per (B, S): measured vs planned")
+    left.legend()
+    names = [n for n, run in runs.items() if run.get("result")]
+    right.bar(names, [runs[n]["result"]["tokens_per_s"] for n in names])
+    right.set(ylabel="epoch tokens/s", title="one epoch, one GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", default="baseline,eager,compiled,compiled95")
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--workdir", default="/tmp/shipped_config")
+    parser.add_argument("--cache-dir", default=None, help="keep each run's calibration cache here between calls")
+    parser.add_argument("--time-budget-s", type=float, default=60.0)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU (smoke run)")
+    parser.add_argument("--combine", nargs="+", default=None, help="result files of earlier calls: one table")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.combine:
+        parts = [json.loads(Path(p).read_text()) for p in args.combine]
+        runs = {name: run for part in parts for name, run in part["runs"].items()}
+        doc = {**run_meta("shipped_config"), "combined_from": [{"file": p, "command": part["command"], "date": part["date"],
+                                                               "git_commit": part["git_commit"]}
+                                                              for p, part in zip(args.combine, parts)],
+               "args": parts[0]["args"], "runs": runs, "comparison": compare(runs)}
+    else:
+        runs = {}
+        for name in args.runs.split(","):
+            run = launch(name, args)
+            log_dir = Path(args.workdir) / name / "logs" / "version_0"
+            run["result"] = summarize_run(log_dir) if (log_dir / CSV_NAME).exists() and run["exit"] == 0 else None
+            runs[name] = run
+        doc = {**run_meta("shipped_config"), "args": vars(args), "runs": runs, "comparison": compare(runs)}
+    print(table(doc["runs"], doc["comparison"]))
+    write_result(args.out, doc)
+    plot(doc["runs"], Path(args.out).with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -249,6 +249,24 @@ class _Scope:
         return _MISSING
 
 
+def local_names(fdef: ast.FunctionDef) -> set[str]:
+    """Names `fdef` binds anywhere in it (assignments, arguments, nested defs and classes, imports,
+    exception names): a _Scope leaves them unresolved."""
+    names = set()
+    for n in ast.walk(fdef):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not fdef:
+            names.add(n.name)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+    return names
+
+
 @functools.lru_cache(maxsize=None)
 def _helper_body(fn: types.FunctionType) -> tuple[list[str], dict[str, Any], ast.expr] | None:
     """(parameter names, defaults, the returned expression) of a function whose body is a single
@@ -291,6 +309,54 @@ def _substitute(node: ast.AST, args: dict[str, ast.expr], at: ast.AST) -> ast.AS
             value = [_substitute(v, args, at) if isinstance(v, ast.AST) else v for v in value]
         setattr(new, name, value)
     return ast.copy_location(new, at)
+
+
+def inline_helper(call: ast.Call, scope: _Scope, self_name: str) -> ast.expr | None:
+    """The expression a call of a one-`return` helper stands for, its parameters replaced by the
+    call's arguments; None when `call` is no such helper call or inlining would change what runs."""
+    fn, bound_self = _callee_function(call.func, scope, self_name)
+    if fn is None:
+        return None
+    body = _helper_body(fn)
+    if body is None:
+        return None
+    params, defaults, expr = body
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    given = ([bound_self] if bound_self is not None else []) + list(call.args)
+    if len(given) > len(params):
+        return None
+    args = dict(zip(params, given))
+    for keyword in call.keywords:
+        if keyword.arg not in params or keyword.arg in args:
+            return None
+        args[keyword.arg] = keyword.value
+    for p in params:
+        if p not in args:
+            if p not in defaults or not isinstance(defaults[p], (int, float, type(None))):
+                return None
+            args[p] = ast.Constant(defaults[p])
+    loads = [n.id for n in ast.walk(expr) if isinstance(n, ast.Name)]
+    for p, arg in args.items():
+        if loads.count(p) != 1 and not _is_pure(arg):
+            return None  # an argument evaluated twice or never would change what the code does
+    for name in set(loads) - set(params):  # the helper's other names must mean the same here
+        if fn.__globals__.get(name, getattr(builtins, name, _MISSING)) is not scope.lookup(name):
+            return None
+    return _substitute(expr, args, call)
+
+
+def _callee_function(func: ast.expr, scope: _Scope,
+                     self_name: str) -> tuple[types.FunctionType | None, ast.expr | None]:
+    """(plain function, node bound to its first parameter) for `helper(...)`, `module.helper(...)`
+    or `self.method(...)`; (None, None) otherwise."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == self_name:
+        attr = inspect.getattr_static(scope.cls, func.attr, None)
+        if isinstance(attr, types.FunctionType):
+            return attr, func.value
+        return None, None
+    obj = scope.resolve(func)
+    return (obj, None) if isinstance(obj, types.FunctionType) else (None, None)
 
 
 def _dotted(node: ast.expr, self_name: str) -> str | None:
@@ -344,6 +410,29 @@ def _is_view_index(node: ast.expr) -> bool:
 
 
 # --- matching ---------------------------------------------------------------------------------------
+def cast_of(node: ast.expr) -> tuple[ast.expr, tuple[str, ast.expr | None, bool]] | None:
+    """(operand, (method, arg, keyword)) for a dtype cast call, else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    method, args, kws = node.func.attr, node.args, node.keywords
+    if method in _STATIC_CASTS and not args and not kws:
+        return node.func.value, (method, None, False)
+    if method in ("to", "type_as") and len(args) == 1 and not kws and not isinstance(args[0], ast.Starred):
+        return node.func.value, (method, args[0], False)
+    if method == "to" and not args and len(kws) == 1 and kws[0].arg == "dtype":
+        return node.func.value, (method, kws[0].value, True)
+    return None
+
+
+def norm_call(node: ast.expr, scope: _Scope, self_name: str) -> str | None:
+    """'module' for `self.<attr>(x)`, 'functional' for F.layer_norm / torch.layer_norm, else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    if _dotted(node.func, self_name) is not None:
+        return "module" if len(node.args) == 1 and not node.keywords and not isinstance(node.args[0], ast.Starred) else None
+    return "functional" if scope.resolve(node.func) in _LAYER_NORMS else None
+
+
 class _Matcher:
     """Matches one expression against the recognised forms (module docstring)."""
 
@@ -359,11 +448,11 @@ class _Matcher:
     def _expand(self, node: ast.expr, match: _Match, depth: int) -> ast.expr | None:
         if depth > _MAX_HELPER_DEPTH:
             return None
-        inlined = self._inline(node) if isinstance(node, ast.Call) else None
+        inlined = inline_helper(node, self.scope, self.self_name) if isinstance(node, ast.Call) else None
         if inlined is not None:
             match.structural.append(node)
             return self._expand(inlined, match, depth + 1)
-        cast = self._cast_of(node)
+        cast = cast_of(node)
         if cast is not None and isinstance(cast[0], ast.Call):
             inner = self._expand(cast[0], match, depth)
             if inner is not cast[0]:
@@ -373,64 +462,8 @@ class _Matcher:
                 return rebuilt
         return node
 
-    def _inline(self, call: ast.Call) -> ast.expr | None:
-        fn, bound_self = self._callee_function(call.func)
-        if fn is None:
-            return None
-        body = _helper_body(fn)
-        if body is None:
-            return None
-        params, defaults, expr = body
-        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
-            return None
-        given = ([bound_self] if bound_self is not None else []) + list(call.args)
-        if len(given) > len(params):
-            return None
-        args = dict(zip(params, given))
-        for keyword in call.keywords:
-            if keyword.arg not in params or keyword.arg in args:
-                return None
-            args[keyword.arg] = keyword.value
-        for p in params:
-            if p not in args:
-                if p not in defaults or not isinstance(defaults[p], (int, float, type(None))):
-                    return None
-                args[p] = ast.Constant(defaults[p])
-        loads = [n.id for n in ast.walk(expr) if isinstance(n, ast.Name)]
-        for p, arg in args.items():
-            if loads.count(p) != 1 and not _is_pure(arg):
-                return None  # an argument evaluated twice or never would change what the code does
-        for name in set(loads) - set(params):  # the helper's other names must mean the same here
-            if fn.__globals__.get(name, getattr(builtins, name, _MISSING)) is not self.scope.lookup(name):
-                return None
-        return _substitute(expr, args, call)
-
-    def _callee_function(self, func: ast.expr) -> tuple[types.FunctionType | None, ast.expr | None]:
-        """(plain function, node bound to its first parameter) for `helper(...)`, `module.helper(...)`
-        or `self.method(...)`; (None, None) otherwise."""
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == self.self_name:
-            attr = inspect.getattr_static(self.scope.cls, func.attr, None)
-            if isinstance(attr, types.FunctionType):
-                return attr, func.value
-            return None, None
-        obj = self.scope.resolve(func)
-        return (obj, None) if isinstance(obj, types.FunctionType) else (None, None)
-
-    def _cast_of(self, node: ast.expr) -> tuple[ast.expr, tuple[str, ast.expr | None, bool]] | None:
-        """(operand, (method, arg, keyword)) for a dtype cast call, else None."""
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-            return None
-        method, args, kws = node.func.attr, node.args, node.keywords
-        if method in _STATIC_CASTS and not args and not kws:
-            return node.func.value, (method, None, False)
-        if method in ("to", "type_as") and len(args) == 1 and not kws and not isinstance(args[0], ast.Starred):
-            return node.func.value, (method, args[0], False)
-        if method == "to" and not args and len(kws) == 1 and kws[0].arg == "dtype":
-            return node.func.value, (method, kws[0].value, True)
-        return None
-
     def _peel(self, node: ast.expr, where: str, match: _Match) -> ast.expr:
-        cast = self._cast_of(node)
+        cast = cast_of(node)
         if cast is None:
             return node
         match.casts[where] = cast[1]
@@ -487,19 +520,11 @@ class _Matcher:
         return None
 
     def _looks_normed(self, node: ast.expr) -> bool:
-        cast = self._cast_of(node)
+        cast = cast_of(node)
         node = cast[0] if cast is not None else node
         if isinstance(node, ast.Name):
             return id(node) in self.defs
-        return self._norm_call(node) is not None
-
-    def _norm_call(self, node: ast.expr) -> str | None:
-        """'module' for `self.<attr>(x)`, 'functional' for F.layer_norm / torch.layer_norm, else None."""
-        if not isinstance(node, ast.Call):
-            return None
-        if _dotted(node.func, self.self_name) is not None:
-            return "module" if len(node.args) == 1 and not node.keywords and not isinstance(node.args[0], ast.Starred) else None
-        return "functional" if self.scope.resolve(node.func) in _LAYER_NORMS else None
+        return norm_call(node, self.scope, self.self_name) is not None
 
     def _norm(self, node: ast.expr, match: _Match) -> bool:
         """Fill the norm's leaves, x and the input cast; False if `node` is not a norm call."""
@@ -510,14 +535,14 @@ class _Matcher:
             match.structural.append(node)
             match.inline_def = (definition.stmts, definition.stmt)
             value = definition.value
-            cast = self._cast_of(value)
+            cast = cast_of(value)
             if cast is not None:
                 if "mid" in match.casts:
                     return False
                 match.casts["mid"] = cast[1]
                 value = cast[0]
             node = value
-        kind = self._norm_call(node)
+        kind = norm_call(node, self.scope, self.self_name)
         if kind is None:
             return False
         match.structural.append(node)
@@ -590,7 +615,7 @@ def _repeated(stmt: ast.stmt, target: ast.AST) -> bool:
     return any(isinstance(n, _REPEATING) and any(m is target for m in ast.walk(n)) for n in ast.walk(stmt))
 
 
-def _single_use_defs(function: ast.AST, matcher: _Matcher) -> dict[int, _Def]:
+def _single_use_defs(function: ast.AST, scope: _Scope, self_name: str) -> dict[int, _Def]:
     """For each `name = <norm call>` in this function scope whose next read is in a later statement
     of the same block: that read's Name node -> the definition (or why it cannot be moved there)."""
     defs: dict[int, _Def] = {}
@@ -603,8 +628,8 @@ def _single_use_defs(function: ast.AST, matcher: _Matcher) -> dict[int, _Def]:
             if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
                 continue
             name, value = stmt.targets[0].id, stmt.value
-            cast = matcher._cast_of(value)
-            if matcher._norm_call(cast[0] if cast is not None else value) is None:
+            cast = cast_of(value)
+            if norm_call(cast[0] if cast is not None else value, scope, self_name) is None:
                 continue
             use = next((j for j in range(i + 1, len(stmts)) if any(n.id == name for n in _names(stmts[j], (ast.Load, ast.Store)))), None)
             if use is None:
@@ -622,7 +647,7 @@ def _single_use_defs(function: ast.AST, matcher: _Matcher) -> dict[int, _Def]:
             elif len(loads) > 1:
                 refusal = f"the norm output `{name}` is read {len(loads)} times in line {stmts[use].lineno}"
             elif any(n.id in reads for s in between for n in _names(s, ast.Store)) or any(
-                    n.id in reads - {matcher.self_name} for s in between for n in _names(s, ast.Load)):
+                    n.id in reads - {self_name} for s in between for n in _names(s, ast.Load)):
                 refusal = f"the norm input of `{name}` is used or changed before line {stmts[use].lineno}"
             else:
                 rebinds = any(n.id == name for t in getattr(stmts[use], "targets", []) for n in ast.walk(t)
@@ -789,26 +814,12 @@ class ForwardAnalysis:
     def _rewrite(self, parsed: tuple[ast.Module, ast.FunctionDef], accept: frozenset) -> _Rewriter:
         tree, fdef = parsed
         self_name = (fdef.args.posonlyargs + fdef.args.args)[0].arg
-        local_names = set()
-        for n in ast.walk(fdef):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                local_names.add(n.id)
-            elif isinstance(n, ast.arg):
-                local_names.add(n.arg)
-            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not fdef:
-                local_names.add(n.name)
-            elif isinstance(n, ast.alias):
-                local_names.add((n.asname or n.name).split(".")[0])
-            elif isinstance(n, ast.ExceptHandler) and n.name:
-                local_names.add(n.name)
-        scope = _Scope(self.fn, self.cls, local_names)
+        scope = _Scope(self.fn, self.cls, local_names(fdef))
         forward_nodes = {id(n) for n in ast.walk(fdef)}
         matchers = {}
         for function in [fdef, *(n for n in ast.walk(fdef) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                                  and n is not fdef)]:
-            matcher = _Matcher(scope, self_name, {})
-            matcher.defs = _single_use_defs(function, matcher)
-            matchers[id(function)] = matcher
+            matchers[id(function)] = _Matcher(scope, self_name, _single_use_defs(function, scope, self_name))
         rewriter = _Rewriter(matchers, forward_nodes, accept, self_name, self.where)
         rewriter.visit(fdef)
         for stmts, stmt in rewriter.removed:

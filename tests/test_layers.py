@@ -1,5 +1,6 @@
 """The package's layers (docs/architecture.md): no import runs back up, nothing imports examples/ or
-benchmarks/, and the scheduling core imports no torch."""
+benchmarks/, and the scheduling core imports no torch. Inside surgery/, the idioms package's
+modules import only down its flow (surgery/idioms/__init__.py), and nothing below it imports it."""
 import ast
 import pathlib
 
@@ -21,6 +22,18 @@ ALLOWED = {
     "__init__": set(),  # imports lazily, by name (checked in test_public_api.py)
 }
 ALLOWED.update({name: set() for name in BASE})
+IDIOMS = "lightning_adaptiveload.surgery.idioms"
+# surgery/idioms/ module -> the package's modules it may import: the runtime and the scope at the
+# bottom, the entry point (recogniser, re-exported by __init__) on top
+IDIOMS_ALLOWED = {
+    "runtime": set(),
+    "scope": set(),
+    "matcher": {"runtime", "scope"},
+    "single_use": {"matcher", "scope"},
+    "rewrite": {"runtime", "scope", "matcher", "single_use"},
+    "recogniser": {"runtime", "rewrite"},
+    "__init__": {"recogniser"},
+}
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -58,3 +71,26 @@ def test_scheduling_imports_no_torch_or_lightning():
     for path in (ROOT / "scheduling").rglob("*.py"):
         tops = {name.split(".")[0] for name in _imports(path)}
         assert not tops & {"torch", "lightning"}, path
+
+
+def test_imports_are_absolute():
+    """The checks here read absolute module names: a relative import would pass them unseen."""
+    relative = [f"{path}:{node.lineno}" for path in ROOT.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, relative
+
+
+def test_idioms_modules_import_down_the_flow():
+    package = ROOT / "surgery" / "idioms"
+    assert {p.stem for p in package.glob("*.py")} == set(IDIOMS_ALLOWED)  # a new module gets its place above
+    bad = []
+    for path in package.glob("*.py"):
+        for name in _imports(path):
+            if name == IDIOMS or name.startswith(IDIOMS + "."):
+                dst = name.removeprefix(IDIOMS).lstrip(".").split(".")[0] or "__init__"
+                if dst not in IDIOMS_ALLOWED[path.stem]:
+                    bad.append(f"{path}: {path.stem} imports {name}")
+    for path in (ROOT / "surgery").glob("*.py"):  # core, verify, the patterns: below the idiom pass
+        if path.name != "__init__.py" and any(n == IDIOMS or n.startswith(IDIOMS + ".") for n in _imports(path)):
+            bad.append(f"{path}: below the idiom pass, imports {IDIOMS}")
+    assert not bad, "\n".join(bad)

@@ -7,7 +7,7 @@ fused op, keeping each model's numerics, parameters and classes. See docs/surger
 
 Two ways a module is recognised: a pattern (a fused forward checked against the exact source of
 a known class: diffusers, the original DiT, or one you register), and, for code no pattern knows,
-the idiom recogniser (surgery/idioms.py: an AST rewrite of the forward, verified numerically).
+the idiom recogniser (surgery/idioms/: an AST rewrite of the forward, verified numerically).
 `PATTERNS` / `PATTERN_NAMES` are read at each access, so they include registered patterns.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A pattern names a class, the source fingerprints of that class's `forward` it was checked
 against, a structural check, and a drop-in `forward` that calls the fused op. A module matches a
 pattern by class name (anywhere on its MRO) or, for renamed copies, by its forward's fingerprint.
-Modules no pattern fuses go to the idiom recogniser (surgery/idioms.py). Patching binds the
+Modules no pattern fuses go to the idiom recogniser (surgery/idioms/). Patching binds the
 fused forward on the *instance* (`module.forward = ...`), so the module's class, parameters,
 buffers and `state_dict` stay exactly as they were: FSDP auto-wrap and activation-checkpointing
 policies keyed on the class keep matching, and checkpoints load both ways.
@@ -383,8 +383,8 @@ def unrecognised_reason(module: nn.Module) -> str | None:
 
 
 # fuse_idioms(module, module_name, report, dry_run) -> reasons: the idiom recogniser
-# (surgery/idioms.IdiomRecogniser); it records what it fused in the report and returns why sites
-# were left alone.
+# (surgery/idioms/recogniser.IdiomRecogniser); it records what it fused in the report and returns
+# why sites were left alone.
 IdiomFuser = Callable[[nn.Module, str, SurgeryReport, bool], list[str]]
 
 

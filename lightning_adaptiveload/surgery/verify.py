@@ -1,4 +1,4 @@
-"""Numeric checks of idiom rewrites (surgery/idioms.py): nothing is kept that was not compared.
+"""Numeric checks of idiom rewrites (surgery/idioms/): nothing is kept that was not compared.
 
 1. At surgery time, per instance and per rewritten site (`check_site`): the fused op against the
    site's eager expression on random inputs of the norm's real width, parameters and device,
@@ -75,7 +75,7 @@ def _site_values(site: Any, norm: nn.Module | None, width: int, x_dtype: torch.d
 
 
 def check_site(site: Any, norm: nn.Module | None) -> str | None:
-    """Why `site` (an idioms.FusedSite) must not be fused with this norm, or None.
+    """Why `site` (an idioms.runtime.FusedSite) must not be fused with this norm, or None.
 
     Compares `site.fused` with `site.eager` wherever the site would use the op, for x in fp32
     (else the first 16-bit dtype it takes). Inputs the eager expression itself rejects are

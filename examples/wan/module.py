@@ -23,6 +23,7 @@ is what DiffSynth-Studio and VideoX-Fun train Wan with (docs/lightning.md, "Trai
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -74,18 +75,41 @@ def _check_transformer_config(overrides: dict[str, Any]) -> None:
 
 
 def load_pretrained_transformer(path: str):
-    """`WanTransformer3DModel.from_pretrained` of a local folder, fp32, safetensors only (no pickled
-    weights): a transformer folder (config.json + *.safetensors) or a diffusers pipeline folder
-    holding one under `transformer/`. Nothing is downloaded."""
+    """A WanTransformer3DModel built from a local folder's config.json, fp32, with the weights of its
+    *.safetensors files (sharded ones through `diffusion_pytorch_model.safetensors.index.json`);
+    pickled `.bin` weights are never read and nothing is downloaded. `path`: a transformer folder or
+    a diffusers pipeline folder holding one under `transformer/`. Loaded here rather than with
+    diffusers' `from_pretrained`, which for Wan (fp32-kept modules) requires `accelerate`. Raises
+    FileNotFoundError for a folder without config.json or safetensors, ValueError for weights that do
+    not match the config (missing or unexpected keys, named)."""
     from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
 
     root = Path(path)
-    subfolder = "transformer" if (root / "transformer" / "config.json").is_file() else None
-    if not (root / (subfolder or "") / "config.json").is_file():
+    folder = root / "transformer" if (root / "transformer" / "config.json").is_file() else root
+    if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"WanModule: pretrained={path!r} is not a local diffusers transformer folder "
                                 "(config.json + safetensors) nor a pipeline folder with transformer/config.json")
-    return WanTransformer3DModel.from_pretrained(root, subfolder=subfolder, local_files_only=True,
-                                                 use_safetensors=True, torch_dtype=torch.float32)
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"WanModule: pretrained={path!r}: no *.safetensors weights in {folder} "
+                                "(pickled .bin weights are not loaded; convert them to safetensors)")
+    model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)  # copies into the fp32 parameters
+    ignored = WanTransformer3DModel._keys_to_ignore_on_load_unexpected or []
+    unexpected = [key for key in unexpected if not any(pattern in key for pattern in ignored)]
+    if missing or unexpected:
+        raise ValueError(f"WanModule: pretrained={path!r}: the weights do not match {folder / 'config.json'}: "
+                         f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                         f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    return model
 
 
 class WanModule(L.LightningModule):

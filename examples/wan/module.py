@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from lightning_adaptiveload._validation import require_int, require_number
 from lightning_adaptiveload.loss import scale_loss_to_global_mean
 
 # diffusers' WanTransformer3DModel arguments of Wan 2.1 T2V 1.3B (the published
@@ -154,18 +155,14 @@ class WanModule(L.LightningModule):
             if value not in options and not (name == "compile" and value is None):
                 raise ValueError(f"WanModule: {name} must be one of {sorted(options)}"
                                  f"{' or None' if name == 'compile' else ''}, got {value!r}")
-        if not shift > 0:
-            raise ValueError(f"WanModule: shift must be > 0, got {shift!r}")
-        if not logit_std > 0:
-            raise ValueError(f"WanModule: logit_std must be > 0, got {logit_std!r}")
-        if isinstance(shift_reference_tokens, bool) or not isinstance(shift_reference_tokens, int) \
-                or shift_reference_tokens < 1:
-            raise ValueError(f"WanModule: shift_reference_tokens must be an integer >= 1 (tokens), got "
-                             f"{shift_reference_tokens!r}")
+        require_number("WanModule: shift", shift, positive=True)
+        require_number("WanModule: logit_mean", logit_mean)
+        require_number("WanModule: logit_std", logit_std, positive=True)
+        require_int("WanModule: shift_reference_tokens (tokens)", shift_reference_tokens)
         self.save_hyperparameters()
         config = {**WAN21_T2V_1_3B, **overrides}
         config["patch_size"] = tuple(config["patch_size"])  # YAML gives a list
-        self.transformer_kwargs = config
+        self.transformer_kwargs = config  # what a random init builds (a pretrained folder has its own config)
         self.transformer = None if build_in_configure_model else self._build_transformer()
         self._fsdp2_dtype: torch.dtype | None = None  # set once configure_model applied fully_shard
 
@@ -173,8 +170,17 @@ class WanModule(L.LightningModule):
         from diffusers import WanTransformer3DModel
 
         if self.hparams.pretrained is not None:
-            return load_pretrained_transformer(self.hparams.pretrained)
-        return WanTransformer3DModel(**self.transformer_kwargs)
+            model = load_pretrained_transformer(self.hparams.pretrained)
+        else:
+            model = WanTransformer3DModel(**self.transformer_kwargs)
+        config = model.config
+        # the target velocity has the input's channels; image-to-video Wan (in 36, out 16) also takes
+        # conditioning channels, which this text-to-video objective does not build
+        if config["out_channels"] != config["in_channels"] or config["image_dim"] is not None:
+            raise ValueError(f"WanModule trains text-to-video Wan: in_channels == out_channels and no image_dim, got "
+                             f"in_channels={config['in_channels']}, out_channels={config['out_channels']}, "
+                             f"image_dim={config['image_dim']}")
+        return model
 
     # -- parallelism --
 
@@ -242,10 +248,11 @@ class WanModule(L.LightningModule):
     def tokens_of(self, latents: torch.Tensor) -> int:
         """Transformer tokens per sample of latents (B, C, T, H, W): T/pt * H/ph * W/pw. Raises a
         ValueError naming the problem for latents the transformer cannot take."""
-        config = self.transformer_kwargs
-        channels, patch = config["in_channels"], config["patch_size"]
+        config = self.transformer.config  # the built model's (pretrained: its config.json)
+        channels, patch = config["in_channels"], tuple(config["patch_size"])
         if latents.ndim != 5 or latents.shape[1] != channels:
-            raise ValueError(f"WanModule: batch['latents'] must be (B, {channels}, T, H, W), got {tuple(latents.shape)}")
+            raise ValueError(f"WanModule: batch['latents'] must be (B, {channels}, T, H, W), "
+                             f"got {tuple(latents.shape)}")
         thw = tuple(latents.shape[2:])
         if any(size % p for size, p in zip(thw, patch)):
             raise ValueError(f"WanModule: latent (T, H, W) = {thw} is not a multiple of patch_size {patch}")
@@ -281,7 +288,7 @@ class WanModule(L.LightningModule):
         latents, text = batch["latents"], batch["text"]
         tokens = self.tokens_of(latents)
         batch_size = latents.shape[0]
-        text_dim = self.transformer_kwargs["text_dim"]
+        text_dim = self.transformer.config["text_dim"]
         if text.ndim != 3 or text.shape[0] != batch_size or text.shape[2] != text_dim:
             raise ValueError(f"WanModule: batch['text'] must be ({batch_size}, L, {text_dim}), got {tuple(text.shape)}")
         sigma = self.sample_sigmas(batch_size, tokens, latents.device)

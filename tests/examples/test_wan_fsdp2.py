@@ -23,8 +23,8 @@ def rank_batch(rank: int) -> dict:
     """Rank 0: 3 images of 4 tokens; rank 1: 1 clip of 16 tokens (unequal batch sizes and shapes)."""
     g = torch.Generator().manual_seed(100 + rank)
     batch_size, thw = (3, (1, 4, 4)) if rank == 0 else (1, (2, 4, 8))
-    return {"latents": torch.randn(batch_size, 4, *thw, generator=g), "text": torch.randn(batch_size, 5, 32, generator=g),
-            "ac_blocks": DEPTH[rank]}
+    return {"latents": torch.randn(batch_size, 4, *thw, generator=g),
+            "text": torch.randn(batch_size, 5, 32, generator=g), "ac_blocks": DEPTH[rank]}
 
 
 def build_module(module_class):
@@ -58,7 +58,8 @@ def run_two_ranks(out_dir: Path) -> None:
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
-    checkpointing = PerBucketCheckpointing(block_classes="diffusers.models.transformers.transformer_wan.WanTransformerBlock")
+    checkpointing = PerBucketCheckpointing(
+        block_classes="diffusers.models.transformers.transformer_wan.WanTransformerBlock")
     module = build_module(Recording)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
                         tensor_parallel_size=1), max_steps=1, gradient_clip_val=CLIP, use_distributed_sampler=False,

@@ -68,7 +68,8 @@ def test_transformer_config_overrides_key_by_key_and_rejects_unknown_keys():
     with pytest.raises(ValueError, match="does not take: \\['num_blocks'\\]"):
         WanModule(transformer_config={"num_blocks": 2})
     for bad, match in [(dict(compile="fast"), "compile must be one of"), (dict(shift_rule="flux"), "shift_rule"),
-                       (dict(timestep_sampling="beta"), "timestep_sampling"), (dict(shift=0.0), "shift must be > 0"),
+                       (dict(timestep_sampling="beta"), "timestep_sampling"),
+                       (dict(shift=0.0), "shift must be a finite number > 0"),
                        (dict(shift_reference_tokens=0), "shift_reference_tokens"),
                        (dict(fsdp2_param_dtype="float16"), "fsdp2_param_dtype")]:
         with pytest.raises(ValueError, match=match):
@@ -95,8 +96,19 @@ def test_pretrained_loads_a_local_safetensors_folder_only(tmp_path):
     (shape_mismatch / "config.json").write_text((tmp_path / "pipeline" / "transformer" / "config.json").read_text())
     with pytest.raises(ValueError, match="unexpected \\['blocks.2"):
         load_pretrained_transformer(str(shape_mismatch))
+    # the batch checks follow the loaded config, not the default one
+    six_channels = _tiny(transformer_config={**TINY, "in_channels": 6, "out_channels": 6}).transformer
+    six_channels.save_pretrained(tmp_path / "six")
+    six = WanModule(pretrained=str(tmp_path / "six"))
+    six.log = lambda *args, **kw: None
+    batch = {"latents": torch.randn(1, 6, 1, 4, 4), "text": torch.randn(1, 5, 32)}
+    assert torch.isfinite(six.training_step(batch, 0)["loss"])
+    with pytest.raises(ValueError, match=r"must be \(B, 6, T, H, W\)"):
+        six.training_step(_batch(), 0)
     with pytest.raises(ValueError, match="not both"):
         WanModule(pretrained=str(tmp_path / "pipeline"), transformer_config={"num_layers": 1})
+    with pytest.raises(ValueError, match="text-to-video Wan: in_channels == out_channels"):
+        WanModule(transformer_config={**TINY, "in_channels": 36})
 
 
 def test_configure_model_builds_when_deferred_and_compiles_every_block_once():
@@ -278,7 +290,8 @@ def test_fused_adaln_surgery_replaces_every_block_and_keeps_the_outputs(monkeypa
     assert [m for m, _, _ in report.left_alone] == ["transformer"]  # the root's once-per-step output AdaLN
     assert all("forward" in block.__dict__ for block in module.transformer.blocks)
     batch = _batch(seed=9)
-    sigma, noise = torch.tensor([0.3, 0.9]), torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.3, 0.9])
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (module, unfused):
         loss = model.flow_matching_loss(batch["latents"], batch["text"], sigma, noise)

@@ -1,0 +1,121 @@
+"""WanModule under FSDP2 (Lightning's ModelParallelStrategy) on two CPU ranks (gloo): one training
+step with unequal batches (3 images on rank 0, 1 clip on rank 1), fused-AdaLN surgery and
+PerBucketCheckpointing at a different depth per rank, gives the gradient of the mean loss over all
+4 samples that a single unsharded model computes, and Lightning's norm clipping clips the global
+norm. The test runs this file as a script (Lightning starts rank 1 by running it again)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+            freq_dim=32, ffn_dim=64)
+CLIP = 0.05  # far below the step's gradient norm (asserted), so clipping acts
+DEPTH = {0: 2, 1: 1}  # blocks each rank checkpoints (batch["ac_blocks"])
+
+
+def rank_batch(rank: int) -> dict:
+    """Rank 0: 3 images of 4 tokens; rank 1: 1 clip of 16 tokens (unequal batch sizes and shapes)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    batch_size, thw = (3, (1, 4, 4)) if rank == 0 else (1, (2, 4, 8))
+    return {"latents": torch.randn(batch_size, 4, *thw, generator=g),
+            "text": torch.randn(batch_size, 5, 32, generator=g), "ac_blocks": DEPTH[rank]}
+
+
+def build_module(module_class):
+    torch.manual_seed(0)  # the same initial weights on every rank and in the reference
+    return module_class(transformer_config=TINY, fsdp2_param_dtype="float32", shift_rule="fixed", shift=3.0)
+
+
+def run_two_ranks(out_dir: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from examples.wan.module import WanModule
+    from lightning_adaptiveload.callbacks import FusedAdaLNSurgery, PerBucketCheckpointing
+
+    class Recording(WanModule):
+        def flow_matching_loss(self, latents, text, sigma, noise):
+            self.drawn = {"sigma": sigma.detach().clone(), "noise": noise.detach().clone()}
+            self.depth = checkpointing.switch.checkpointed
+            return super().flow_matching_loss(latents, text, sigma, noise)
+
+        def on_before_optimizer_step(self, optimizer):  # before Lightning clips
+            self.grads = {name: p.grad.full_tensor() for name, p in self.transformer.named_parameters()}
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            self.clipped_norm = torch.stack([p.grad.full_tensor().norm() for p in self.parameters()]).norm().item()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([rank_batch(self.global_rank)], batch_size=None)
+
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    checkpointing = PerBucketCheckpointing(
+        block_classes="diffusers.models.transformers.transformer_wan.WanTransformerBlock")
+    module = build_module(Recording)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
+                        tensor_parallel_size=1), max_steps=1, gradient_clip_val=CLIP, use_distributed_sampler=False,
+                        callbacks=[FusedAdaLNSurgery(require_replacement=True), checkpointing], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(out_dir))
+    trainer.fit(module)
+    rank = trainer.global_rank
+    weight = module.transformer.blocks[0].ffn.net[0].proj.weight
+    save_file(module.drawn, str(out_dir / f"rank{rank}.safetensors"))
+    info = {"depth": module.depth, "clipped_norm": module.clipped_norm, "local_rows": weight.to_local().shape[0],
+            "rows": weight.shape[0], "placements": [str(p) for p in weight.placements],
+            "fused": sum("forward" in vars(b) for b in module.transformer.blocks)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(info))
+    if rank == 0:
+        save_file(module.grads, str(out_dir / "grads.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_give_the_single_process_gradient_and_clip_the_global_norm(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)  # a fresh two-process rendezvous
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    from examples.wan.module import WanModule
+
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, info in enumerate(infos):
+        assert info["depth"] == DEPTH[rank]  # PerBucketCheckpointing switched per rank
+        assert info["fused"] == 2  # surgery's instance forwards survived fully_shard
+        assert info["placements"] == ["S(0)"] and info["local_rows"] * 2 == info["rows"]  # sharded in two
+
+    # Reference: one unsharded fp32 model, the two ranks' samples with their sigma and noise, the
+    # mean loss over all 4 samples (what scale_loss_to_global_mean + FSDP2's gradient average give).
+    reference = build_module(WanModule)
+    total = 0
+    for rank in (0, 1):
+        drawn, batch = load_file(str(tmp_path / f"rank{rank}.safetensors")), rank_batch(rank)
+        n = batch["latents"].shape[0]
+        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
+                                                             drawn["noise"])
+    total.backward()
+    grads = load_file(str(tmp_path / "grads.safetensors"))
+    assert grads.keys() == dict(reference.transformer.named_parameters()).keys()
+    for name, param in reference.transformer.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    norm = torch.stack([p.grad.norm() for p in reference.parameters()]).norm().item()
+    assert norm > 10 * CLIP
+    for info in infos:  # clipped to CLIP by the norm over both shards
+        assert info["clipped_norm"] == pytest.approx(CLIP, rel=1e-4)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    run_two_ranks(Path(sys.argv[1]))

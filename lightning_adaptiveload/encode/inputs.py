@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import re
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +72,11 @@ class InputItem:
     caption_path: str | None = None
     member: tuple[int, int] | None = None
     caption_member: tuple[str, int, int] | None = None
+
+    @property
+    def location(self) -> str:
+        """The media file, or `tar#key` for a tar sample (bad.jsonl's "path")."""
+        return self.path if self.member is None and self.caption_member is None else self.where
 
 
 def media_kind(suffix: str) -> str | None:
@@ -168,13 +172,13 @@ def read_caption(item: InputItem) -> str:
             raw = Path(item.caption_path).read_bytes()
         except FileNotFoundError:
             raise BadInput("missing_caption", f"{item.where}: no caption file {item.caption_path}") from None
-        text = _utf8(raw, item.caption_path)
+        text = _utf8(raw, f"{item.where}: caption {item.caption_path}")
     elif item.caption_member is not None:
         suffix, offset, size = item.caption_member
         raw = _pread(item.path, offset, size)
-        text = _utf8(raw, f"{item.where}.{suffix}")
+        text = _utf8(raw, f"{item.where}: caption member {suffix}")
         if suffix == "json":
-            text = _json_caption(text, f"{item.where}.json")
+            text = _json_caption(text, f"{item.where}: caption member json")
     else:
         raise BadInput("missing_caption", f"{item.where}: no txt or json caption member")
     if not text.strip():
@@ -214,7 +218,7 @@ def read_media(item: InputItem) -> str | bytes:
     except FileNotFoundError:
         raise BadInput("missing_file", f"{item.where}: no such file {item.path}") from None
     if size == 0:
-        raise BadInput("empty_file", f"{item.where}: {item.path} has zero bytes")
+        raise BadInput("empty_file", f"{item.where}: the file has zero bytes")
     return item.path
 
 
@@ -228,10 +232,12 @@ def _pread(path: str, offset: int, size: int) -> bytes:
 
 
 def rank_of(item_id: str, world_size: int) -> int:
-    """The rank that encodes input `item_id`: crc32 of the id modulo the world size. A hash, not
-    a position in the sorted list, so inputs added to the source later do not move the others to
-    another rank (a resumed rank would otherwise redo, and duplicate, another rank's inputs)."""
-    return zlib.crc32(item_id.encode()) % world_size
+    """The rank that encodes input `item_id`: the first 8 bytes of sha1 of the id modulo the world
+    size. A hash, not a position in the sorted list, so inputs added to the source later do not
+    move the others to another rank (a resumed rank would otherwise redo, and duplicate, another
+    rank's inputs). sha1, not crc32: crc32 is linear, so ids differing in a few characters (clip1,
+    clip2, ...) can all have the same parity and land on one rank of two."""
+    return int.from_bytes(hashlib.sha1(item_id.encode()).digest()[:8], "big") % world_size
 
 
 _SLUG = re.compile(r"[^A-Za-z0-9_-]+")

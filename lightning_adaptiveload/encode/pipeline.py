@@ -219,7 +219,8 @@ def encode_videos(inputs, out_dir: str | Path, *, vae, text_encoder=None, tokeni
         summary = finalize(out, progress=progress)
         result.index = summary["index"]
         print(f"adaptiveload encode: indexed {summary['samples']} samples of {summary['shards']} shards -> "
-              f"{summary['index']}; bad inputs: {summary['bad_inputs']} {summary['bad_by_reason'] or ''}")
+              f"{summary['index'] or 'no index (no sample)'}; bad inputs: {summary['bad_inputs']} "
+              f"{summary['bad_by_reason'] or ''}")
     return result
 
 
@@ -258,7 +259,7 @@ def _encoded(events, latents: LatentEncoder, captions: CaptionEncoder | None, sp
             pending.setdefault(item.id, []).append((event, latent))
         elif isinstance(event, Rejected):
             pending.pop(item.id, None)
-            yield "bad", {"path": item.where, "id": item.id, "reason": event.reason, "detail": event.detail}
+            yield "bad", {"path": item.location, "id": item.id, "reason": event.reason, "detail": event.detail}
         else:
             yield from _finish(event, pending.pop(item.id), captions, spec, dtype, result)
 
@@ -281,7 +282,7 @@ def _finish(event: Finished, windows, captions: CaptionEncoder | None, spec, dty
         except BadSample as e:
             if e.reason != "non_finite":
                 raise RuntimeError(f"{item.where}: the sample written for it fails validation: {e}") from None
-            yield "bad", {"path": item.where, "id": item.id, "reason": "non_finite",
+            yield "bad", {"path": item.location, "id": item.id, "reason": "non_finite",
                           "detail": f"{item.where}: window {window.index}: {e}"}
             return
         samples.append((key, files, latent.shape[1:], window.meta))

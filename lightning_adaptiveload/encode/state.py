@@ -241,8 +241,9 @@ def claim_finalize(out_dir: str | Path) -> bool:
 
 def finalize(out_dir: str | Path, index: str | Path | None = None, check: str = "headers",
              progress: bool = True) -> dict:
-    """Build the index of every rank's journaled shards (`build_index`), merge the ranks' bad
-    lists into OUT/bad.jsonl and write OUT/encode_summary.json; returns the summary. Refused
+    """Build the index of every rank's journaled shards (`build_index`; none if no sample was
+    written), merge the ranks' bad lists into OUT/bad.jsonl and write OUT/encode_summary.json;
+    returns the summary. Refused
     (ValueError naming what) while a rank has no done marker, when ranks listed different inputs
     or used different settings, or when a journaled shard fails its check."""
     out = Path(out_dir)
@@ -276,17 +277,18 @@ def finalize(out_dir: str | Path, index: str | Path | None = None, check: str = 
     (out / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
     config = json.loads(configs.pop())
     index = Path(index) if index is not None else out / "index.jsonl"
-    if not shards:
-        raise ValueError(f"{out}: no sample was written ({len(bad)} bad inputs, listed in {out / 'bad.jsonl'})")
-    spec = TokenSpec(**{k: (tuple(v) if k == "patch" else v) for k, v in config["token_spec"].items()})
-    count, left_out = build_index(sorted(shards), index, spec, progress=progress, duplicates="error")
-    if left_out:
-        index.unlink()
-        raise ValueError(f"{out}: {len(left_out)} written samples failed indexing, e.g. {left_out[:2]}")
+    index.unlink(missing_ok=True)  # an index of an earlier finalize must not outlive the shards it listed
+    count = 0
+    if shards:  # else every input was bad: no index, the summary and bad.jsonl say why
+        spec = TokenSpec(**{k: (tuple(v) if k == "patch" else v) for k, v in config["token_spec"].items()})
+        count, left_out = build_index(sorted(shards), index, spec, progress=progress, duplicates="error")
+        if left_out:
+            index.unlink()
+            raise ValueError(f"{out}: {len(left_out)} written samples failed indexing, e.g. {left_out[:2]}")
     reasons: dict[str, int] = {}
     for r in bad:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-    summary = {"finished": _now(), "world_size": world_size, "index": str(index), "samples": count,
+    summary = {"finished": _now(), "world_size": world_size, "index": str(index) if count else None, "samples": count,
                "shards": len(shards), "inputs_listed": markers[0]["inputs_listed"],
                "bad_inputs": len(bad), "bad_by_reason": dict(sorted(reasons.items())), "config": config,
                "ranks": sorted(markers, key=lambda m: m["rank"])}

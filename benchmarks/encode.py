@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                      "latent_shape": [int(v) for v in spec.latent_from_pixels(f, h, w)], "tokens": tokens,
                      "training_refs": training_step_refs(tokens)})
     if args.dry_run:
-        print(f"models: {'tiny VAE and UMT5' if args.tiny else 'Wan 2.1 VAE (AutoencoderKLWan default config), UMT5-XXL'}"
-              f"; device {args.device}; {args.repeats} timed runs per shape after one warm-up")
+        models = "tiny VAE and UMT5" if args.tiny else "Wan 2.1 VAE (AutoencoderKLWan default config), UMT5-XXL"
+        print(f"models: {models}; device {args.device}; {args.repeats} timed runs per shape after one warm-up")
         for p in plan:
             refs = "; ".join(f"{r['train_ms_per_sample']:.0f} ms/sample ({r['source']}: {r['model']})"
                              for r in p["training_refs"]) or "no committed step time at this token count"
@@ -300,7 +300,8 @@ def _print_table(doc: dict) -> None:
             continue
         decode = "-" if r["decode_cpu_s"] is None else f"{r['decode_cpu_s']:.2f}"
         refs = "; ".join(f"{ref['train_ms_per_sample']:.0f} ms/sample [{Path(ref['source']).name}] -> "
-                         f"{100 * ref['encode_share_of_step']:.0f}%" for ref in r["training_refs"]) or "none at these tokens"
+                         f"{100 * ref['encode_share_of_step']:.0f}%" for ref in r["training_refs"])
+        refs = refs or "none at these tokens"
         print(f"{r['shape']:>12} {'yes' if r['tiled'] else 'no':>5} {r['vae_s']:7.2f} {r['clip_s']:7.2f} "
               f"{r['clips_per_s']:8.3f} {r['tokens']:7d} {r['tokens_per_s']:9.0f} {_gib(r['peak_gib']):>9} "
               f"{decode:>9}  {refs}")

@@ -21,22 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lightning_adaptiveload.encode.grid import LONG_CLIPS, Bucket, choose_resolution, fill_bucket, frame_buckets, resolutions
+from lightning_adaptiveload.encode._optional import require
+from lightning_adaptiveload.encode.grid import (LONG_CLIPS, Bucket, choose_resolution, fill_bucket, frame_buckets,
+                                                resolutions)
 from lightning_adaptiveload.encode.inputs import BadInput, InputItem, read_caption, read_media
 
-EXTRA = 'pip install "lightning-adaptiveload[encode]"'
 _EPS = 1e-6  # seconds: timestamps are rationals rounded to floats; this keeps t_k == start on the right side
-
-
-def require(module: str):
-    """Import an optional dependency of `adaptiveload encode`, or an ImportError naming the extra."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"adaptiveload encode needs the optional package {module.split('.')[0]!r} ({e}); "
-                          f"install it with: {EXTRA}") from e
 
 
 @dataclass

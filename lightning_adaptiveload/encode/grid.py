@@ -62,8 +62,8 @@ def check_grid(buckets, spec: TokenSpec = TokenSpec(), where: str = "bucket grid
     multiple = (spec.vae_stride_s * spec.patch[1], spec.vae_stride_s * spec.patch[2])
     for b in grid:
         if b.frames < 1 or (b.frames - 1) % spec.vae_stride_t:
-            raise ValueError(f"{where}: bucket {b.frames}x{b.height}x{b.width}: frames must be "
-                             f"{spec.vae_stride_t}k + 1 (the VAE's temporal stride {spec.vae_stride_t}), got {b.frames}")
+            raise ValueError(f"{where}: bucket {b.frames}x{b.height}x{b.width}: frames must be {spec.vae_stride_t}k + 1 "
+                             f"(the VAE's temporal stride {spec.vae_stride_t}), got {b.frames}")
         if b.height < multiple[0] or b.height % multiple[0] or b.width < multiple[1] or b.width % multiple[1]:
             raise ValueError(f"{where}: bucket {b.frames}x{b.height}x{b.width}: height and width must be multiples of "
                              f"{multiple[0]} and {multiple[1]} (VAE stride {spec.vae_stride_s} x patch "

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_adaptiveload.encode.decode import require
+from lightning_adaptiveload.encode._optional import require
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 LATENT_MODES = ("mean", "sample")  # the posterior's mean (deterministic) or one draw from it

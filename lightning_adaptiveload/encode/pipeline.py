@@ -25,7 +25,7 @@ from tqdm import tqdm
 from lightning_adaptiveload._validation import require_choice, require_int
 from lightning_adaptiveload.data.shards import BadSample, encode_sample, inspect_sample, write_shard
 from lightning_adaptiveload.encode.decode import DecodePlan, Finished, Rejected, Window, decode_item
-from lightning_adaptiveload.encode.grid import REFERENCE_MIX, LONG_CLIPS, check_grid, latent_shape, read_bucket_grid
+from lightning_adaptiveload.encode.grid import LONG_CLIPS, REFERENCE_MIX, check_grid, read_bucket_grid
 from lightning_adaptiveload.encode.inputs import InputItem, list_inputs, rank_of, sample_key
 from lightning_adaptiveload.encode.models import (TILE_ABOVE, CaptionEncoder, LatentEncoder, compute_dtype,
                                                   load_text_encoder, load_tokenizer, load_vae)

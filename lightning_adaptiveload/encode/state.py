@@ -178,8 +178,8 @@ class RankState:
         old = header.get("config", {})
         changed = sorted(k for k in old.keys() | self.config.keys() if old.get(k) != self.config.get(k))
         if changed:
-            raise ValueError(f"{self.journal}: the samples there were encoded with other settings ({', '.join(changed)} "
-                             f"differ); encode into a new folder, or resume with the same settings")
+            raise ValueError(f"{self.journal}: the samples there were encoded with other settings "
+                             f"({', '.join(changed)} differ); encode into a new folder, or resume with the same settings")
 
     def add_shard(self, name: str, inputs: list[str], keys: list[str]) -> None:
         """Journal shard `name` (already renamed into place) with the inputs and keys it holds."""

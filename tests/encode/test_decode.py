@@ -1,10 +1,9 @@
 """Decoding: frames resampled by timestamps, windows vs trim, resize + center crop, images."""
 import numpy as np
 import pytest
-import torch
 
-from lightning_adaptiveload.encode.decode import (DecodePlan, Finished, Rejected, Window, decode_item,
-                                                  resample_by_time, resize_center_crop)
+from lightning_adaptiveload.encode.decode import (DecodePlan, Finished, Window, decode_item, resample_by_time,
+                                                  resize_center_crop)
 from lightning_adaptiveload.encode.grid import check_grid
 from lightning_adaptiveload.encode.inputs import list_inputs
 

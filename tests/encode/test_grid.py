@@ -21,7 +21,8 @@ def test_reference_grid_is_the_reference_mix_shapes_and_follows_the_frame_rule()
 
 def test_latent_rows_become_pixel_buckets(tmp_path):
     path = tmp_path / "grid.jsonl"
-    path.write_text('{"latent_t": 5, "latent_h": 4, "latent_w": 6, "count": 3}\n{"frames": 1, "height": 32, "width": 32}\n')
+    path.write_text('{"latent_t": 5, "latent_h": 4, "latent_w": 6, "count": 3}\n'
+                    '{"frames": 1, "height": 32, "width": 32}\n')
     assert read_bucket_grid(path) == [Bucket(1, 32, 32), Bucket(17, 32, 48)]
 
 

@@ -217,8 +217,8 @@ def test_every_bad_input_reason_is_counted_listed_and_never_written(inputs, tmp_
     _tar(tar, {"a.mp4": good, "a.txt": b"a cat", "b.txt": b"caption, no media", "c.png": b"\x89PNG",
                "c.txt": b"a dog", "d.jpg": (inputs / "sq.jpg").read_bytes()})
     result = _encode(str(tar), tmp_path / "out_t")
-    _check_bad(tmp_path / "out_t", result, {f"{tar}#a": None, f"{tar}#b": "missing_file", f"{tar}#c": "unreadable_image",
-                                            f"{tar}#d": "missing_caption"}, None)
+    _check_bad(tmp_path / "out_t", result, {f"{tar}#a": None, f"{tar}#b": "missing_file",
+                                            f"{tar}#c": "unreadable_image", f"{tar}#d": "missing_caption"}, None)
 
     # an image with a grid of clips only, and encoders that give inf (latents_std 0)
     result = _encode(inputs / "sub", tmp_path / "out_nb", buckets=[(5, 32, 32)])
@@ -235,7 +235,8 @@ def _check_bad(out, result, expected: dict, root) -> None:
     for b in bad:  # the detail names the input (its file, manifest line or tar sample); path is its file
         assert b["detail"].startswith(b["path"] if "#" in b["id"] or root else f"{out.parent / 'm.jsonl'}:")
         assert b["path"].endswith(b["id"])
-    assert result.bad == dict(sorted({r: sum(v == r for v in expected.values()) for r in expected.values() if r}.items()))
+    counts = {r: sum(v == r for v in expected.values()) for r in expected.values() if r}
+    assert result.bad == dict(sorted(counts.items()))
     keys = {r["key"] for r in map(json.loads, (out / "index.jsonl").read_text().splitlines()[1:]) if "key" in r}
     assert {k.rsplit("-", 1)[0] for k in keys} == {sample_key(k, 0).rsplit("-", 1)[0] for k, v in expected.items()
                                                   if v is None}
@@ -288,3 +289,16 @@ def test_throughput_line(capsys, inputs, tmp_path):
     line = result.throughput()
     assert line in capsys.readouterr().out
     assert f"{result.samples} samples in {result.seconds:.1f} s: {result.encoded / result.seconds:.2f} inputs/s" in line
+
+
+def test_rank_and_world_size_from_torchrun_environment(inputs, tmp_path, monkeypatch):
+    from lightning_adaptiveload.encode.inputs import rank_of
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = _encode(inputs / "sub", tmp_path / "env", finalize_index=False)
+    assert (result.rank, result.world_size) == (1, 2)
+    assert result.inputs == int(rank_of("pic.png", 2) == 1)
+    assert (tmp_path / "env" / STATE_DIR / "r00001.done.json").exists()
+    with pytest.raises(ValueError, match="give rank and world_size together"):
+        _encode(inputs / "sub", tmp_path / "env2", rank=0)

@@ -82,7 +82,7 @@ class DecodePlan:
 def resize_center_crop(frame: np.ndarray | torch.Tensor, height: int, width: int) -> torch.Tensor:
     """(H, W, 3) uint8 -> (height, width, 3) uint8: scaled by one factor (aspect kept) so the frame
     covers the target, bilinear with antialiasing (Pillow's filter, so downscaling does not alias),
-    then the center cropped. The only resampling between the decoder and the VAE."""
+    then center-cropped. The only resampling between the decoder and the VAE."""
     x = torch.as_tensor(frame)
     src_h, src_w = x.shape[:2]
     scale = max(height / src_h, width / src_w)

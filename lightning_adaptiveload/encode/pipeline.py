@@ -40,7 +40,8 @@ class EncodeResult:
     already in checked shards; encoded: inputs written by this run; samples, tokens (latent
     tokens under the TokenSpec), video_s (seconds of source video covered): of this run's
     samples; bad: bad inputs by reason; shards: this rank's shards (all, not only this run's);
-    seconds: wall time; vae_s, text_s, wait_s: time in the VAE, in the text encoder, and waiting
+    seconds: wall time of decoding, encoding and writing (after the models are loaded and
+    resumed shards checked); vae_s, text_s, wait_s: time in the VAE, in the text encoder, and waiting
     for decoded frames; index: the index path if this process built it, else None."""
 
     rank: int
@@ -167,7 +168,8 @@ def encode_videos(inputs, out_dir: str | Path, *, vae, text_encoder=None, tokeni
     rank, world_size = _resolve_rank(rank, world_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    begin = time.perf_counter()
+    items = list_inputs(inputs)  # before the models: a bad source fails in seconds, not after loading 11 GB
+    mine = [item for item in items if rank_of(item.id, world_size) == rank]
 
     device = _device(device)
     compute = compute_dtype(device, precision)
@@ -190,9 +192,6 @@ def encode_videos(inputs, out_dir: str | Path, *, vae, text_encoder=None, tokeni
     else:
         grid = check_grid(buckets, spec)
     plan = DecodePlan(grid, fps, long)
-
-    items = list_inputs(inputs)
-    mine = [item for item in items if rank_of(item.id, world_size) == rank]
     config = {"grid": [list(b) for b in grid], "fps": fps, "long": long, "stored_dtype": dtype,
               "token_spec": {"vae_stride_t": spec.vae_stride_t, "vae_stride_s": spec.vae_stride_s,
                              "patch": list(spec.patch)},
@@ -202,8 +201,9 @@ def encode_videos(inputs, out_dir: str | Path, *, vae, text_encoder=None, tokeni
     todo = [item for item in mine if item.id not in done]
     result = EncodeResult(rank, world_size, len(items), len(mine), len(mine) - len(todo))
     bar = tqdm(total=len(mine), initial=result.resumed, desc=f"encode r{rank}", unit="input", disable=not progress)
+    begin = time.perf_counter()
     try:
-        events = iter(_encoded(_decoded(todo, plan, num_workers), latents, captions, spec, dtype, result))
+        events = _encoded(_decoded(todo, plan, num_workers), latents, captions, spec, dtype, result)
         _write_shards(events, state, samples_per_shard, result, bar)
     finally:
         bar.close()

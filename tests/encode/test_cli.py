@@ -47,6 +47,9 @@ def test_errors_are_one_line_naming_what_is_wrong(tmp_path, capsys, monkeypatch)
     assert "no encode done markers" in capsys.readouterr().err
     assert main(["encode", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "give --model (a Wan diffusers pipeline folder) or --vae" in capsys.readouterr().err
+    assert main(["encode", str(tmp_path), "--out", str(tmp_path / "o"), "--vae", str(tmp_path), "--no-text"]) == 2
+    assert "no video or image inputs found in" in capsys.readouterr().err  # listed before any model is loaded
+    write_image(tmp_path / "pic.png", seed=0)
     monkeypatch.setitem(sys.modules, "diffusers", None)  # as if the extra were not installed
     assert main(["encode", str(tmp_path), "--out", str(tmp_path / "o"), "--vae", str(tmp_path), "--no-text"]) == 2
     assert 'pip install "lightning-adaptiveload[encode]"' in capsys.readouterr().err

@@ -71,12 +71,6 @@ def check_grid(buckets, spec: TokenSpec = TokenSpec(), where: str = "bucket grid
     return grid
 
 
-def latent_shape(bucket: Bucket, spec: TokenSpec = TokenSpec()) -> tuple[int, int, int]:
-    """Latent (T, H, W) of a bucket: T = 1 + (F - 1) / stride_t, H and W / stride_s."""
-    t, h, w = spec.latent_from_pixels(bucket.frames, bucket.height, bucket.width)
-    return int(t), int(h), int(w)
-
-
 def choose_resolution(height: int, width: int, resolutions, tolerance: float = ASPECT_TOLERANCE) -> tuple[int, int]:
     """The (height, width) of `resolutions` a source of `height` x `width` pixels is resized and
     center-cropped to: of those whose aspect ratio is nearest the source's (|log(w/h)| distance,

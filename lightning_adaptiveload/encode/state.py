@@ -137,10 +137,10 @@ class RankState:
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.done_path.unlink(missing_ok=True)
         records = read_records(self.journal)
         if records:
-            self._check_header(records[0])
+            self._check_header(records[0])  # before anything changes: a refused resume leaves the folder as it was
+        self.done_path.unlink(missing_ok=True)
         kept, redo = [], []
         for entry in records[1:]:
             problem = check_shard(self.out / entry["shard"], entry, check)

@@ -156,6 +156,7 @@ def test_settings_change_on_resume_is_refused(inputs, tmp_path):
         _encode(inputs, out, fps=8)
     with pytest.raises(ValueError, match="world_size 1, this run has 2"):
         _encode(inputs, out, rank=0, world_size=2)
+    assert (out / STATE_DIR / "r00000.done.json").exists() and (out / "index.jsonl").exists()  # left as it was
 
 
 def test_two_ranks_write_disjoint_shards_and_the_last_builds_one_index(inputs, encoded, tmp_path):

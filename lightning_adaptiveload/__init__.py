@@ -37,6 +37,9 @@ _EXPORTS = {
     "build_index": "data.index",
     "read_index": "data.index",
     "write_synthetic_shards": "data.shards",
+    # encoding videos into shards (optional deps: the [encode] extra)
+    "encode_videos": "encode.pipeline",
+    "finalize_encode": "encode.pipeline",
     # training helpers and callbacks
     "prepare_environment": "_environment",
     "scale_loss_to_global_mean": "loss",

@@ -10,6 +10,7 @@ BASE = {"_validation", "_jsonl", "_distributed", "_imports", "_environment"}
 ALLOWED = {
     "scheduling": set(),
     "data": {"scheduling"},
+    "encode": {"scheduling", "data"},
     "monitoring": {"scheduling"},
     "calibration": {"scheduling"},
     "checkpointing": {"scheduling"},
@@ -17,7 +18,7 @@ ALLOWED = {
     "surgery": {"ops"},
     "loss": set(),
     "callbacks": {"scheduling", "data", "monitoring", "calibration", "checkpointing", "ops", "surgery", "loss"},
-    "cli": {"scheduling", "data", "monitoring", "ops", "__init__"},
+    "cli": {"scheduling", "data", "encode", "monitoring", "ops", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),  # imports lazily, by name (checked in test_public_api.py)
 }

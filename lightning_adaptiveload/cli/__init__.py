@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Module names under lightning_adaptiveload.cli, in the order `--help` lists them.
-COMMANDS = ('plan', 'simulate', 'report', 'index', 'make_shards', 'fit', 'build_ext')
+COMMANDS = ('plan', 'simulate', 'report', 'encode', 'index', 'make_shards', 'fit', 'build_ext')
 
 
 def build_parser() -> argparse.ArgumentParser:

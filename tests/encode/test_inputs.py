@@ -1,0 +1,84 @@
+"""Listing inputs (folder, manifest, tars), captions, keys and the rank split."""
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.encode.inputs import (BadInput, list_inputs, rank_of, read_caption, read_media,
+                                                  sample_key)
+
+
+def _tar(path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_folder_lists_media_recursively_with_captions_beside(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.mp4", "sub/a.PNG", "notes.txt", ".hidden.mp4", "sub/c.webm", "x.gif"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "b.txt").write_text("  a cat  \n")
+    items = list_inputs(tmp_path)
+    assert [(i.id, i.kind) for i in items] == [("b.mp4", "video"), ("sub/a.PNG", "image"), ("sub/c.webm", "video")]
+    assert read_caption(items[0]) == "a cat"
+    with pytest.raises(BadInput) as e:
+        read_caption(items[1])
+    assert e.value.reason == "missing_caption" and "a.PNG" in e.value.detail
+
+
+def test_manifest_paths_relative_to_it_and_errors_name_the_line(tmp_path):
+    (tmp_path / "clip.mp4").write_bytes(b"")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"path": "clip.mp4", "caption": "a dog"}) + "\n"
+                        + json.dumps({"path": "gone.png"}) + "\n")
+    clip, gone = list_inputs(manifest)
+    assert read_caption(clip) == "a dog" and clip.path == str(tmp_path / "clip.mp4")
+    for item, call, reason in ((clip, read_media, "empty_file"), (gone, read_media, "missing_file"),
+                               (gone, read_caption, "missing_caption")):
+        with pytest.raises(BadInput) as e:
+            call(item)
+        assert e.value.reason == reason
+    assert gone.where == f"{manifest}:2"
+    for bad, match in (({"path": 3}, "m.jsonl:1: field 'path'"), ({"path": "a.doc"}, "m.jsonl:1: 'a.doc' is not"),
+                       ({"path": "a.mp4", "caption": 1}, "m.jsonl:1: field 'caption'")):
+        manifest.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=match):
+            list_inputs(manifest)
+    manifest.write_text(json.dumps({"path": "a.mp4"}) + "\n" + json.dumps({"path": "a.mp4"}) + "\n")
+    with pytest.raises(ValueError, match=f"{manifest}:2: input 'a.mp4' is listed twice \\(first at {manifest}:1"):
+        list_inputs(manifest)
+
+
+def test_tar_samples_media_and_caption_members(tmp_path):
+    tar = tmp_path / "in.tar"
+    _tar(tar, {"a.mp4": b"video", "a.txt": b"a cat", "b.jpg": b"img", "b.json": json.dumps({"caption": "sky"}).encode(),
+               "c.txt": b"caption only", "d.png": b"img", "e.json": b"{bad", "e.png": b"img"})
+    items = {i.id.split("#")[1]: i for i in list_inputs(str(tar))}
+    assert sorted(items) == ["a", "b", "c", "d", "e"]
+    assert read_media(items["a"]) == b"video" and read_caption(items["a"]) == "a cat"
+    assert read_caption(items["b"]) == "sky" and items["b"].kind == "image"
+    for key, call, reason in (("c", read_media, "missing_file"), ("d", read_caption, "missing_caption"),
+                              ("e", read_caption, "bad_caption")):
+        with pytest.raises(BadInput) as e:
+            call(items[key])
+        assert e.value.reason == reason and f"in.tar#{key}" in e.value.detail
+
+
+def test_keys_have_no_dots_and_differ_for_equal_stems():
+    a, b = sample_key("x/clip.v2.mp4", 0), sample_key("y/clip.v2.mp4", 0)
+    assert a.startswith("clip_v2-") and a.endswith("-000") and "." not in a and "/" not in a
+    assert a != b and sample_key("x/clip.v2.mp4", 1) != a
+
+
+def test_rank_split_depends_on_the_id_alone_and_is_balanced():
+    ids = [f"clip{i}.mp4" for i in range(3000)]
+    ranks = [rank_of(i, 3) for i in ids]
+    assert ranks[:1000] == [rank_of(i, 3) for i in ids[:1000]]  # a shorter listing: the same ranks
+    counts = np.bincount(ranks, minlength=3)
+    assert abs(counts - 1000).max() < 4 * 1000 ** 0.5  # binomial: 4 sigma
+    assert all(rank_of(i, 1) == 0 for i in ids)

@@ -106,7 +106,7 @@ class PlanVerifier:
     progress: a line per shape.
 
     A bucket's target is its largest scheduled batch at its depth (the table's B, or all of a bucket
-    smaller than one batch); targets are measured first, the other (partial) batches once every target
+    smaller than one batch; a bucket the epoch never schedules has none); targets are measured first, the other (partial) batches once every target
     fits. Rounds that only measure partial batches (they fit: fewer samples than a fitting target)
     are bounded by MAX_PARTIAL_ROUNDS; what is left then stays cold.
     """
@@ -239,8 +239,10 @@ class PlanVerifier:
         by_bucket = self._scheduled() if by_bucket is None else by_bucket
         targets = {}
         for seq_len, (b, thw, k) in self.plan.buckets().items():
+            # a bucket the epoch never schedules (fewer samples than one batch, drop_last) needs no step
             scheduled = [shape for shape in by_bucket.get(seq_len, []) if shape.checkpointed == k]
-            targets[seq_len] = max(scheduled, key=lambda x: x.batch_size) if scheduled else ScheduledShape(b, thw, 0, k)
+            if scheduled:
+                targets[seq_len] = max(scheduled, key=lambda x: x.batch_size)
         return targets
 
     def _measure_all(self, todo: list[tuple[int, ScheduledShape]], rnd: int) -> bool:

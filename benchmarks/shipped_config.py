@@ -61,7 +61,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     config = yaml.safe_load((REPO / "examples" / "configs" / base).read_text())
     root = str(Path(args.workdir) / name)
     trainer = config["trainer"]
-    trainer.update(devices=1, max_epochs=1, max_steps=-1, log_every_n_steps=args.log_every, default_root_dir=root,
+    trainer.update(devices=1, max_epochs=1, max_steps=args.max_steps, log_every_n_steps=args.log_every, default_root_dir=root,
                    enable_progress_bar=False)
     trainer["logger"]["init_args"].update(save_dir=root, name="logs", version=0)
     for callback in trainer["callbacks"]:
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop the epoch early (a short check, not a result)")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU (smoke run)")
     parser.add_argument("--combine", nargs="+", default=None, help="result files of earlier calls: one table")

@@ -420,7 +420,8 @@ def test_wan21_demo_config_trains_end_to_end_on_cpu(tmp_path, capsys):
     assert surgery["replaced"] == {"diffusers.WanTransformerBlock": ["transformer.blocks.0", "transformer.blocks.1"]}
     doc = json.loads((log_dir / "calibration.json").read_text())
     assert len(doc["measurements"]) == 9 and doc["trusted"]
-    assert doc["warmed_shapes"] and all(w["status"] == "warmed" for w in doc["warmed_shapes"])
+    shapes = doc["verification"]["shapes"]
+    assert shapes and all(m["status"] == "fits" for m in shapes)
     with open(log_dir / "metrics.csv") as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
     assert len(losses) == 3 and all(0 < v < 100 for v in losses)

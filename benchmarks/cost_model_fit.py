@@ -27,7 +27,8 @@ import scipy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
 import lightning_adaptiveload  # noqa: E402
-from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, plot_fit, read_measurements
+from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, read_measurements
+from lightning_adaptiveload.calibration.plot import plot_fit
 from lightning_adaptiveload.scheduling.policies import batch_sizes
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
 

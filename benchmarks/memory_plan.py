@@ -55,7 +55,7 @@ from benchmarks._meta import run_meta  # noqa: E402
 from examples.video_dit.model import DiTBlock, DiTConfig, VideoDiT, flow_matching_loss  # noqa: E402
 from lightning_adaptiveload.calibration.runner import _SavedTensorBytes  # noqa: E402
 from lightning_adaptiveload.checkpointing import BlockCheckpointing, find_blocks, select_instances  # noqa: E402
-from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_choice import choose_batch_and_depth  # noqa: E402
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel  # noqa: E402
 from lightning_adaptiveload.scheduling.policies import batch_sizes  # noqa: E402

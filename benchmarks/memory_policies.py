@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _meta import run_meta, write_result  # noqa: E402
 
-from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan  # noqa: E402
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel  # noqa: E402
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402

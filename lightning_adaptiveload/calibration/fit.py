@@ -19,7 +19,8 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from lightning_adaptiveload.calibration.config import DEFAULT_MIN_WORK_CORRELATION
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.verification import MeasuredShape
 

@@ -40,7 +40,8 @@ from lightning_adaptiveload.calibration.result import CalibrationResult, MemoryP
 from lightning_adaptiveload.calibration.sweep import sweep
 from lightning_adaptiveload.calibration.verify import PlanVerifier, VerifyOutcome
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, load_cost_model
+from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.verification import Verification
 
@@ -86,7 +87,7 @@ class Calibration:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
         start = time.perf_counter()
-        config, datamodule = self.config, self.datamodule
+        config = self.config
         memory_terms = self._memory_terms() if self.switch is not None else None
         if config.cost_model_path is not None:  # every rank reads the same file
             self.info(f"CostModelCalibration: scheduling with the cost model {config.cost_model_path} as given; "

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -71,17 +69,3 @@ def read_cache(path: Path, key: dict) -> dict | None:
         if p["status"] == "ok" and not (is_positive_number(p.get("time_ms")) and isinstance(p.get("peak_bytes"), int)):
             return None
     return doc
-
-
-def write_json(path: Path, doc: dict) -> None:
-    """Write `doc` as JSON under a unique name and rename it into place: a reader never sees half a
-    file (ranks of several jobs may share a cache)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

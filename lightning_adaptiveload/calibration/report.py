@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from lightning_adaptiveload._environment import ALLOCATOR_VARIABLES
-from lightning_adaptiveload.calibration.record import FORMAT, INFEASIBLE, VERSION, write_json
+from lightning_adaptiveload.calibration.record import FORMAT, INFEASIBLE, VERSION
 from lightning_adaptiveload.calibration.result import CalibrationResult
-from lightning_adaptiveload.scheduling.cost_model import plot_fit
+from lightning_adaptiveload.scheduling.model_io import write_json
+from lightning_adaptiveload.calibration.plot import plot_fit
 
 
 def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:

@@ -6,7 +6,8 @@ from enum import Enum
 
 from lightning_adaptiveload.calibration.memory import MaterializedState, OptimizerMemory
 from lightning_adaptiveload.calibration.verify import VerifyOutcome
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 
 

@@ -21,15 +21,16 @@ from lightning_adaptiveload.calibration.config import (DEFAULT_BATCH_SIZES, DEFA
                                                        DEFAULT_MAX_MEMORY_HELDOUT_ERROR, DEFAULT_MIN_WORK_CORRELATION,
                                                        CalibrationConfig)
 from lightning_adaptiveload.calibration.loop import Calibration, check_datamodule, grid_and_recompile_room
-from lightning_adaptiveload.calibration.record import model_fingerprint, write_json
+from lightning_adaptiveload.calibration.record import model_fingerprint
 from lightning_adaptiveload.calibration.report import document, format_report, metrics, save_outputs
 from lightning_adaptiveload.calibration.result import CalibrationResult
 from lightning_adaptiveload.calibration.runner import StepRunner, agree
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
-from lightning_adaptiveload.scheduling.cost_model import DepthCostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+from lightning_adaptiveload.scheduling.model_io import write_json
 from lightning_adaptiveload.scheduling.verification import Verification
 
 

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 from lightning_adaptiveload.scheduling.buckets import BucketTable, schedule_keys
-from lightning_adaptiveload.scheduling.cost_model import DepthCostModel, load_cost_model
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel

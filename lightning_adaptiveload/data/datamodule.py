@@ -35,7 +35,8 @@ from lightning_adaptiveload.data.shards import (SKIPPED_KEY, raise_if_any_batch_
 from lightning_adaptiveload.data.source import SampleConfig, TrainLoader
 from lightning_adaptiveload.data.webdataset_stream import StreamingSource
 from lightning_adaptiveload.scheduling.buckets import OVERSIZE, BucketTable, ScheduledShape, schedule_keys
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel, load_cost_model
+from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel

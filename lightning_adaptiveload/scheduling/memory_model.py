@@ -31,7 +31,7 @@ predicted an H200's k = 0 peaks 6-12% low (benchmarks/results/memory_plan_h200_v
 All parameters are >= 0. The model is linear in them, so the fit is a non-negative least squares
 of the relative error (residuals (pred - peak) / peak), deterministic and without starting
 points. Held-out error is cross-validated like CostModel's (leave-one-out up to 64 points, else 16
-folds; see cost_model._folds), and form="auto" picks the form with the lowest held-out mean error
+folds; see fitting.folds), and form="auto" picks the form with the lowest held-out mean error
 (ties: "linear").
 
 The per-block terms need measurements at two or more depths k (e.g. k = L and k = L // 2); a
@@ -42,10 +42,9 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import nnls
 
-from lightning_adaptiveload.scheduling.cost_model import (
-    QUALITY_KEYS, _check_form, _check_header, _check_json_int, _check_params, _check_quality, _folds, _nan_to_none,
-    _positive_1d, _read_json, _rel_err, _write_json, check_depths, fit_quality,
-)
+from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS, check_depths, fit_quality, folds, positive_1d, rel_err
+from lightning_adaptiveload.scheduling.model_io import (check_form, check_header, check_json_int, check_params,
+                                                        check_quality, nan_to_none, read_json, write_json)
 from lightning_adaptiveload._validation import require_choice, require_int
 
 FORMAT = "adaptiveload.memory_model"
@@ -100,16 +99,16 @@ def _fit_form(form: str, num_blocks: int, b, s, n, peak) -> tuple[dict, dict]:
     fitted = _nnls(names, b, s, n, peak)
     params = {name: fitted.get(name, 0.0) for name in PARAM_NAMES[form]}
     heldout = np.empty_like(peak)
-    for idx in _folds(len(peak), b, s):
+    for idx in folds(len(peak), b, s):
         keep = np.ones(len(peak), dtype=bool)
         keep[idx] = False
         fold = _nnls(names, b[keep], s[keep], n[keep], peak[keep])
-        heldout[idx] = _rel_err(_peak(fold, b[idx], s[idx], n[idx]), peak[idx])
+        heldout[idx] = rel_err(_peak(fold, b[idx], s[idx], n[idx]), peak[idx])
     return params, fit_quality(_peak(params, b, s, n), peak, heldout)
 
 
 def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks):
-    b, s, peak = (_positive_1d(name, values) for name, values in
+    b, s, peak = (positive_1d(name, values) for name, values in
                   (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("peak_bytes", peak_bytes)))
     k = check_depths(checkpointed, num_blocks)
     if k.ndim != 1 or not len(b) == len(s) == len(k) == len(peak):
@@ -128,7 +127,7 @@ class MemoryModel:
     def __init__(self, form: str, params: dict, num_blocks: int, quality: dict | None = None,
                  candidates: dict | None = None):
         require_choice("form", form, FORMS)
-        _check_params(params, PARAM_NAMES[form], form, "MemoryModel")
+        check_params(params, PARAM_NAMES[form], form, "MemoryModel")
         self.form = form
         self.num_blocks = require_int("num_blocks", num_blocks, minimum=0)
         self.params = {name: float(params[name]) for name in PARAM_NAMES[form]}
@@ -248,17 +247,17 @@ class MemoryModel:
             "form": self.form,
             "num_blocks": self.num_blocks,
             "params": self.params,
-            "quality": _nan_to_none(self.quality),
+            "quality": nan_to_none(self.quality),
         }
 
     def to_json(self, path) -> None:
         """Write the model as plain JSON (docs/memory.md)."""
-        _write_json(path, self.to_dict())
+        write_json(path, self.to_dict())
 
     @classmethod
     def from_json(cls, path) -> "MemoryModel":
         """Read a model written by to_json; ValueError naming the file for anything malformed."""
-        return cls.from_dict(_read_json(path), str(path))
+        return cls.from_dict(read_json(path), str(path))
 
     @classmethod
     def from_dict(cls, doc, where: str = "memory model") -> "MemoryModel":
@@ -267,8 +266,8 @@ class MemoryModel:
 
 
 def _model_from_doc(doc, where: str) -> MemoryModel:
-    _check_header(doc, where, FORMAT, VERSION, ("form", "num_blocks", "params", "quality"))
-    form = _check_form(doc, where, FORMS)
-    num_blocks = _check_json_int(doc, "num_blocks", where, minimum=0)
-    _check_params(doc["params"], PARAM_NAMES[form], form, where)
-    return MemoryModel(form, doc["params"], num_blocks, _check_quality(doc["quality"], QUALITY_KEYS, where))
+    check_header(doc, where, FORMAT, VERSION, ("form", "num_blocks", "params", "quality"))
+    form = check_form(doc, where, FORMS)
+    num_blocks = check_json_int(doc, "num_blocks", where, minimum=0)
+    check_params(doc["params"], PARAM_NAMES[form], form, where)
+    return MemoryModel(form, doc["params"], num_blocks, check_quality(doc["quality"], QUALITY_KEYS, where))

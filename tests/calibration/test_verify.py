@@ -6,10 +6,11 @@ import pytest
 
 from lightning_adaptiveload.calibration.verify import PlanVerifier, tighten
 from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification
+from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape
 
 L = 8
 GIB = 2**30

@@ -653,7 +653,7 @@ def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):
 from lightning_adaptiveload.calibration.grid import predicted_depth_peak_bytes  # noqa: E402
 from lightning_adaptiveload.calibration.memory import ASSUMED_STATES, optimizer_memory  # noqa: E402
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing  # noqa: E402
-from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel  # noqa: E402
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from lightning_adaptiveload.scheduling.shapes import TokenSpec  # noqa: E402

@@ -156,7 +156,7 @@ def test_index_command_offers_the_duplicate_rules_of_build_index():
 @pytest.fixture(scope="module")
 def h200_models(tmp_path_factory):
     """Memory and depth cost models fitted to the H200 activation-checkpointing measurements, as JSON."""
-    from lightning_adaptiveload.scheduling.cost_model import DepthCostModel
+    from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
     from lightning_adaptiveload.scheduling.memory_model import MemoryModel
     from tests.helpers.h200_ac import H200_AC, NUM_BLOCKS
 

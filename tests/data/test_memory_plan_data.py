@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY, choose_batch_and_depth
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from tests.data.test_webdataset_stream import stream_dm

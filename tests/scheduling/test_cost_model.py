@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.scheduling.cost_model import (
-    FORMAT, FORMS, QUALITY_KEYS, CostModel, load_cost_model, plot_fit, read_measurements,
-)
+from lightning_adaptiveload.scheduling.cost_model import FORMAT, FORMS, CostModel, load_cost_model, read_measurements
+from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS
+from lightning_adaptiveload.calibration.plot import plot_fit
 from lightning_adaptiveload.scheduling.policies import batch_sizes, dual_constraint_batch_size
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
 from tests.helpers.json_docs import assert_rejected

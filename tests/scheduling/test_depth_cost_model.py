@@ -3,9 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.scheduling.cost_model import (
-    DEPTH_FORMAT, DEPTH_QUALITY_KEYS, CostModel, DepthCostModel,
-)
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DEPTH_FORMAT, DEPTH_QUALITY_KEYS, DepthCostModel
 from tests.helpers.h200_ac import H200_AC
 
 L = 30

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.memory_model import FORMAT, FORMS, NO_BOUND, MemoryModel
-from lightning_adaptiveload.scheduling.cost_model import QUALITY_KEYS
+from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS
 from tests.helpers.h200_ac import H200_AC, H200_OOM
 from tests.helpers.json_docs import assert_rejected
 

@@ -85,7 +85,7 @@ def test_simulate_bad_input():
 
 
 def test_simulate_with_a_memory_plan_prices_each_batch_at_its_buckets_depth():
-    from lightning_adaptiveload.scheduling.cost_model import DepthCostModel
+    from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
     from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
     from lightning_adaptiveload.scheduling.memory_model import MemoryModel
     from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler

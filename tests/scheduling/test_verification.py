@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.buckets import BucketTable
-from lightning_adaptiveload.scheduling.cost_model import CostModel, DepthCostModel
+from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan, choose_batch_and_depth
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler

@@ -57,16 +57,16 @@ def predicted_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int |
     return m1 + (m1 - m0) / (b1 - b0) * (b - b1)
 
 
-def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int, full: int) -> float:
-    """Peak memory (bytes) of (b, s) at depth `checkpointed`: its measured peak at depth `full` plus
+def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int, every_block: int) -> float:
+    """Peak memory (bytes) of (b, s) at depth `checkpointed`: its measured peak at depth `every_block` plus
     B*S times the largest extra bytes per token that the un-checkpointed blocks took in the pairs
     measured at both depths so far (memory beyond a checkpointed block's input grows with the
-    tokens); 0 when no pair or no measurement at `full` exists yet."""
+    tokens); 0 when no pair or no measurement at `every_block` exists yet."""
     peaks = {(p["batch_size"], p["seq_len"], p.get("checkpointed")): p["peak_bytes"] for p in points
              if p["status"] == "ok"}
-    base = peaks.get((b, s, full))
-    per_token = [(peak - peaks[(pb, ps, full)]) / (pb * ps) for (pb, ps, k), peak in peaks.items()
-                 if k == checkpointed and (pb, ps, full) in peaks]
+    base = peaks.get((b, s, every_block))
+    per_token = [(peak - peaks[(pb, ps, every_block)]) / (pb * ps) for (pb, ps, k), peak in peaks.items()
+                 if k == checkpointed and (pb, ps, every_block) in peaks]
     if base is None or not per_token:
         return 0.0
     return base + max(per_token) * b * s

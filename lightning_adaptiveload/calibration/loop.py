@@ -79,8 +79,8 @@ class Calibration:
         self.restored_points, self.restored_verification = restored_points, restored_verification
         self.restored_models = restored_models
         self.info, self.warn = info, warn
-        self.full = None if switch is None else switch.num_blocks  # k of the cost model's points
-        self.depths = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
+        self.every_block = None if switch is None else switch.num_blocks  # k of the cost model's points
+        self.grid_checkpointed = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
         self.memory: MemoryPlanResult | None = None  # the memory plan's part as it stands (refits update it)
         self.cached_verification: dict | None = None  # the "verification" of a cache this run reuses
 
@@ -141,7 +141,8 @@ class Calibration:
                      batch_sizes=config.batch_sizes, max_tokens=config.max_tokens, warmup=config.warmup,
                      repeats=repeats, time_budget_s=config.time_budget_s,
                      memory_limit=config.max_memory_fraction * device_memory_bytes(self.runner.device),
-                     depths=self.depths, at_depth=None if switch is None else switch.checkpointing, progress=self.info)
+                     checkpointed=self.grid_checkpointed,
+                     checkpointing=None if switch is None else switch.checkpointing, progress=self.info)
 
     def _memory_terms(self) -> tuple[OptimizerMemory, int]:
         """The optimizer memory (the largest of the ranks', calibration/memory.py) and the device
@@ -158,9 +159,9 @@ class Calibration:
         fallback), so none schedules differently or waits alone. The cost model and M_mem come from
         the points with every block checkpointed; with a switch the memory and depth models from all."""
         config = self.config
-        at_full = [p for p in points if p.get("checkpointed") == self.full]
-        feasible = [p for p in at_full if p["status"] == "ok"]
-        infeasible = [p for p in at_full if p["status"] in INFEASIBLE]
+        at_every_block = [p for p in points if p.get("checkpointed") == self.every_block]
+        feasible = [p for p in at_every_block if p["status"] == "ok"]
+        infeasible = [p for p in at_every_block if p["status"] in INFEASIBLE]
         if config.m_mem is not None:
             m_mem = int(config.m_mem)
         elif infeasible and feasible:
@@ -183,9 +184,9 @@ class Calibration:
 
     def _fit_memory(self, points: list[dict], model: CostModel, state_bytes: int, verified=()
                     ) -> tuple[MemoryModel | None, DepthCostModel | None, list[str]]:
-        memory, depth, why = fit_memory_models(points, self.full, model, state_bytes,
+        memory, depth_model, why = fit_memory_models(points, self.every_block, model, state_bytes,
                                                self.config.max_memory_heldout_error, verified=list(verified))
-        return memory, depth, [] if why is None else [why]
+        return memory, depth_model, [] if why is None else [why]
 
     # ---- 3. plan --------------------------------------------------------------------------------
     def _apply(self, cost_model: CostModel | None, reasons: list[str], m_mem: int | None,
@@ -327,8 +328,8 @@ class _DataModulePlan:
         allocator cache, at its depth (no depth: every block checkpointed, as training runs it
         without a plan)."""
         switch = self.switch
-        depth = None if switch is None else (switch.num_blocks if shape.checkpointed is None else shape.checkpointed)
-        with switch.checkpointing(depth) if switch is not None else contextlib.nullcontext():
+        checkpointed = None if switch is None else (switch.num_blocks if shape.checkpointed is None else shape.checkpointed)
+        with switch.checkpointing(checkpointed) if switch is not None else contextlib.nullcontext():
             raw = self.runner.measure(lambda: self.datamodule.synthetic_batch(tuple(shape.latent_shape), shape.batch_size),
                                       warmup=int(warm), repeats=1, empty_cache=True)
         if raw["status"] != "ok":

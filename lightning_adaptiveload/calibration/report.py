@@ -20,8 +20,8 @@ from lightning_adaptiveload.calibration.plot import plot_fit
 
 def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
     """The calibration.json document of `result` under cache key `key` (calibration/record.py)."""
-    cm = result.cost_model
-    full = key["depths"][0] if key["depths"] else None
+    cost_model = result.cost_model
+    every_block = key["depths"][0] if key["depths"] else None
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -37,10 +37,10 @@ def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
         "m_mem": result.m_mem,
         "peak_unit": ("bytes saved for backward (CPU estimate)" if key["device"] == "cpu"
                       else "bytes (CUDA max_memory_allocated)"),
-        "cost_model": None if cm is None else cm.to_dict(),
+        "cost_model": None if cost_model is None else cost_model.to_dict(),
         # `measurements` holds the feasible points the cost model is fitted to (every block
         # checkpointed), in the format cost_model.load_cost_model reads
-        "measurements": [p for p in result.points if p["status"] == "ok" and p.get("checkpointed") == full],
+        "measurements": [p for p in result.points if p["status"] == "ok" and p.get("checkpointed") == every_block],
         "points": result.points,
         "depths": key["depths"],
         "memory_plan": _memory_document(result),
@@ -56,11 +56,11 @@ def _memory_document(result: CalibrationResult) -> dict | None:
     memory = result.memory
     if memory is None:
         return None
-    om = memory.optimizer_memory
+    optimizer = memory.optimizer_memory
     return {"used": memory.used, "distrust_reasons": list(memory.distrust_reasons),
             "device_memory_bytes": memory.device_memory_bytes,
-            "optimizer_memory": {"state_bytes": om.state_bytes, "param_bytes": om.param_bytes,
-                                 "step_bytes": om.step_bytes, "rule": om.rule},
+            "optimizer_memory": {"state_bytes": optimizer.state_bytes, "param_bytes": optimizer.param_bytes,
+                                 "step_bytes": optimizer.step_bytes, "rule": optimizer.rule},
             "memory_model": None if memory.memory_model is None else memory.memory_model.to_dict(),
             "depth_cost_model": None if memory.depth_cost_model is None else memory.depth_cost_model.to_dict()}
 
@@ -97,10 +97,10 @@ def save_outputs(log_dir: Path, result: CalibrationResult, doc: dict) -> None:
 
 def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
     """The grid with the models' predictions, the verdicts, the budgets and the verification summary."""
-    cm = result.cost_model
+    cost_model = result.cost_model
     memory = result.memory
     depth_model = None if memory is None else memory.depth_cost_model
-    full = doc["depths"][0] if doc["depths"] else None
+    every_block = doc["depths"][0] if doc["depths"] else None
     lines = [f"{'S':>8} {'B':>5} {'k':>4} {'time ms':>10} {'pred ms':>10} {'peak MiB':>10}  status"]
     for p in result.points:
         ok = p["status"] == "ok"
@@ -108,16 +108,16 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
         predicted = f"{'':>10}"
         if ok and depth_model is not None:
             predicted = f"{depth_model.predict(p['batch_size'], p['seq_len'], k):>10.2f}"
-        elif ok and cm is not None and k == full:
-            predicted = f"{cm.predict(p['batch_size'], p['seq_len']):>10.2f}"
+        elif ok and cost_model is not None and k == every_block:
+            predicted = f"{cost_model.predict(p['batch_size'], p['seq_len']):>10.2f}"
         lines.append(f"{p['seq_len']:>8} {p['batch_size']:>5} {'-' if k is None else k:>4} "
                      + (f"{p['time_ms']:>10.2f} {predicted} {p['peak_bytes'] / 2**20:>10.1f}" if ok
                         else f"{'':>10} {'':>10} {'':>10}")
                      + f"  {p['status']}")
     source = {"cache": " (from cache)", "checkpoint": " (from checkpoint)", "given": " (given)"}.get(result.source.value, "")
-    if cm is not None:
-        q = cm.quality
-        lines.append(f"cost model {cm!r}; mean rel err {q['mean_rel_err']:.1%}, held-out {q['heldout_mean_rel_err']:.1%}; "
+    if cost_model is not None:
+        q = cost_model.quality
+        lines.append(f"cost model {cost_model!r}; mean rel err {q['mean_rel_err']:.1%}, held-out {q['heldout_mean_rel_err']:.1%}; "
                      + ("trusted" if result.trusted else "NOT trusted: " + "; ".join(result.distrust_reasons)))
     else:
         lines.append("no cost model: " + "; ".join(result.distrust_reasons))
@@ -127,7 +127,7 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
                      f"{q['heldout_max_rel_err']:.1%}; " + ("used" if memory.used else "NOT used: "
                                                              + "; ".join(memory.distrust_reasons)))
     lines.append(f"M_mem = {result.m_mem or 'kept from the DataModule'}"
-                 + (f", M_comp = {cm.m_comp(result.m_mem, longest):.4g} (ref S = {longest})"
+                 + (f", M_comp = {cost_model.m_comp(result.m_mem, longest):.4g} (ref S = {longest})"
                     if result.m_mem and result.trusted else "")
                  + f"; policy {doc['policy']}; {doc['seconds']:.1f} s{source}")
     if result.verification is not None:
@@ -155,7 +155,7 @@ def format_verification(result: CalibrationResult) -> str:
 
 def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:
     """The numbers logged at step 0 (self.log is not allowed in on_fit_start: the loggers get them)."""
-    cm = result.cost_model
+    cost_model = result.cost_model
     out = {"calibration/points": float(len(doc["measurements"])),
            "calibration/infeasible": float(sum(p["status"] in INFEASIBLE for p in result.points)),
            "calibration/seconds": doc["seconds"], "calibration/trusted": float(result.trusted),
@@ -167,10 +167,10 @@ def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:
                     "calibration/replanned_shapes": float(sum(not m.fits for m in shapes)),
                     "calibration/verify_rounds": float(result.verification.rounds),
                     "calibration/shapes_left_cold": float(result.verification.left_cold)})
-    if cm is not None:
-        out["calibration/p"] = cm.p
-        if math.isfinite(cm.quality["heldout_mean_rel_err"]):
-            out["calibration/heldout_mean_rel_err"] = cm.quality["heldout_mean_rel_err"]
+    if cost_model is not None:
+        out["calibration/p"] = cost_model.p
+        if math.isfinite(cost_model.quality["heldout_mean_rel_err"]):
+            out["calibration/heldout_mean_rel_err"] = cost_model.quality["heldout_mean_rel_err"]
     if result.m_mem:
         out["calibration/m_mem"] = float(result.m_mem)
     return out

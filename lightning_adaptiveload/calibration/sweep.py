@@ -1,5 +1,5 @@
 """The grid sweep: time and peak memory of real training steps at every (B, S) of the calibration
-grid, and of the points the fit needs again at a second checkpointing depth."""
+grid, and of the points the fit needs again with fewer blocks checkpointed."""
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +25,11 @@ def point_line(point: dict) -> str:
 
 def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple[int, int]], *,
           batch_sizes: tuple[int, ...], max_tokens: int | None, warmup: int, repeats: int, time_budget_s: float,
-          memory_limit: float | None, depths: tuple[int, int] | None,
-          at_depth: Callable[[int], ContextManager] | None, progress: Callable[[str], None]) -> list[dict]:
-    """The grid's points in order, each at k = depths[0] (every block checkpointed; None without a
-    switch); with depths, each required point that fits is measured again right after at k = depths[1]
+          memory_limit: float | None, checkpointed: tuple[int, int] | None,
+          checkpointing: Callable[[int], ContextManager] | None, progress: Callable[[str], None]) -> list[dict]:
+    """The grid's points in order, each at k = checkpointed[0] (every block checkpointed; None without a
+    switch); with checkpointed, each required point that fits is measured again right after at
+    k = checkpointed[1]
     (the same (B, S) for the time ratio, and right after for the same machine state).
 
     batch_fn(seq_len, batch_size) builds a batch; memory_limit: bytes a point may be predicted to peak
@@ -37,41 +38,41 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
     starting once `time_budget_s`, counted after the last required point, is spent (agreed across ranks).
     """
     required = set(required_points(sorted({s for _, s in grid}), list(batch_sizes), max_tokens))
-    full, second = depths if depths is not None else (None, None)
+    every_block, deeper_k = checkpointed if checkpointed is not None else (None, None)
     points: list[dict] = []
     budget_start = None  # the optional points' clock starts after the last required point
 
     def measure(b: int, s: int, k: int | None, settle: bool) -> dict:
-        with at_depth(k) if at_depth is not None else contextlib.nullcontext():
+        with checkpointing(k) if checkpointing is not None else contextlib.nullcontext():
             return runner.measure(lambda: batch_fn(s, b), warmup, repeats, settle=settle)
 
     for i, (b, s) in enumerate(grid):
-        point = {"batch_size": b, "seq_len": s, "checkpointed": full}
+        point = {"batch_size": b, "seq_len": s, "checkpointed": every_block}
         if (b, s) not in required and budget_start is None:
             budget_start = time.perf_counter()
         out_of_time = budget_start is not None and time.perf_counter() - budget_start > time_budget_s
         if runner.agree(out_of_time):
             point["status"] = "skipped_budget"
-        elif dominated(points, b, s, full):
+        elif dominated(points, b, s, every_block):
             point["status"] = "skipped_oom"  # a smaller (B, S) already did not fit
-        elif memory_limit is not None and predicted_peak_bytes(points, b, s, full) > memory_limit:
+        elif memory_limit is not None and predicted_peak_bytes(points, b, s, every_block) > memory_limit:
             point["status"] = "predicted_oom"
         else:
-            point.update(_point(measure(b, s, full, settle=not any(p["status"] == "ok" for p in points))))
+            point.update(_point(measure(b, s, every_block, settle=not any(p["status"] == "ok" for p in points))))
         points.append(point)
         progress(f"calibration {i + 1}/{len(grid)}: B={b} S={s} " + point_line(point))
-        if second is None or (b, s) not in required or point["status"] != "ok":
+        if deeper_k is None or (b, s) not in required or point["status"] != "ok":
             continue
-        deeper = {"batch_size": b, "seq_len": s, "checkpointed": second}
-        if dominated(points, b, s, second):
+        deeper = {"batch_size": b, "seq_len": s, "checkpointed": deeper_k}
+        if dominated(points, b, s, deeper_k):
             deeper["status"] = "skipped_oom"
-        elif memory_limit is not None and max(predicted_peak_bytes(points, b, s, second),
-                                              predicted_depth_peak_bytes(points, b, s, second, full)) > memory_limit:
+        elif memory_limit is not None and max(predicted_peak_bytes(points, b, s, deeper_k),
+                                              predicted_depth_peak_bytes(points, b, s, deeper_k, every_block)) > memory_limit:
             deeper["status"] = "predicted_oom"
         else:
-            deeper.update(_point(measure(b, s, second, settle=False)))
+            deeper.update(_point(measure(b, s, deeper_k, settle=False)))
         points.append(deeper)
-        progress(f"calibration {i + 1}/{len(grid)}: B={b} S={s} k={second} " + point_line(deeper))
+        progress(f"calibration {i + 1}/{len(grid)}: B={b} S={s} k={deeper_k} " + point_line(deeper))
     return points
 
 

@@ -28,7 +28,7 @@ from lightning_adaptiveload.calibration.runner import StepRunner, agree
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
-from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.model_io import write_json
 from lightning_adaptiveload.scheduling.verification import Verification
@@ -122,12 +122,12 @@ class CostModelCalibration(Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         where = "CostModelCalibration checkpoint state"
-        verification, memory, depth = (state_dict.get(k) for k in ("verification", "memory_model", "depth_cost_model"))
+        verification, memory, depth_model = (state_dict.get(k) for k in ("verification", "memory_model", "depth_cost_model"))
         self._restored = {
             "points": state_dict.get("points") or None,
             "verification": None if verification is None else Verification.from_dict(verification, where),
             "models": None if memory is None else (MemoryModel.from_dict(memory, f"{where}: memory_model"),
-                                                   DepthCostModel.from_dict(depth, f"{where}: depth_cost_model"))}
+                                                   DepthCostModel.from_dict(depth_model, f"{where}: depth_cost_model"))}
 
 
 def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckpointing | None,
@@ -158,8 +158,8 @@ def _checkpointing_switch(trainer: Trainer) -> BlockCheckpointing | None:
     if callback.switch is None:
         raise ValueError("CostModelCalibration: PerBucketCheckpointing has not wrapped the model's blocks yet; list it "
                          "before CostModelCalibration in the trainer's callbacks")
-    if callback.batch_key != DEPTH_BATCH_KEY:
-        raise ValueError(f"CostModelCalibration plans memory through batch[{DEPTH_BATCH_KEY!r}], which the DataModule "
+    if callback.batch_key != CHECKPOINTED_BATCH_KEY:
+        raise ValueError(f"CostModelCalibration plans memory through batch[{CHECKPOINTED_BATCH_KEY!r}], which the DataModule "
                          f"writes, but PerBucketCheckpointing reads batch[{callback.batch_key!r}]; leave its batch_key "
                          f"at the default")
     return callback.switch

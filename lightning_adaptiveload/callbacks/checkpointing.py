@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_adaptiveload.checkpointing import (
-    BATCH_KEY, BlockCheckpointing, check_composition, depth_from_batch, find_blocks, resolve_block_classes,
+    BATCH_KEY, BlockCheckpointing, check_composition, checkpointed_from_batch, find_blocks, resolve_block_classes,
     select_instances,
 )
 
@@ -101,7 +101,7 @@ class PerBucketCheckpointing(Callback):
                        f"({type(self.switch.blocks[0]).__name__}); batch[{self.batch_key!r}] = blocks to checkpoint")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self.switch.set_checkpointed(depth_from_batch(batch, self.switch.num_blocks, self.batch_key))
+        self.switch.set_checkpointed(checkpointed_from_batch(batch, self.switch.num_blocks, self.batch_key))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.switch.set_checkpointed(self.switch.num_blocks)  # later use without the key: the safe default

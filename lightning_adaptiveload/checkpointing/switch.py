@@ -40,7 +40,7 @@ from lightning_adaptiveload._imports import import_object
 
 # BATCH_KEY: the batch entry saying how many blocks the step checkpoints (an int; absent = all),
 # which the DataModule writes under a memory plan
-from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY as BATCH_KEY
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY as BATCH_KEY
 
 _STATE = "_adaptiveload_checkpointing"
 
@@ -157,7 +157,7 @@ class BlockCheckpointing:
                 del block.forward
 
 
-def depth_from_batch(batch, num_blocks: int, key: str = BATCH_KEY) -> int:
+def checkpointed_from_batch(batch, num_blocks: int, key: str = BATCH_KEY) -> int:
     """How many blocks a batch asks to checkpoint: `batch[key]` (an int, or a one-element integer
     tensor or array) for a Mapping batch that has the key; num_blocks (all) otherwise."""
     if not isinstance(batch, Mapping) or key not in batch:

@@ -286,11 +286,11 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
         if isinstance(self.source, MapStyleSource):
             sampler = self.build_sampler(world, 0)
             plan = sampler.plan()
-            depth = {row["seq_len"]: row["checkpointed"] for row in sampler.bucket_table.rows()}
+            checkpointed = {row["seq_len"]: row["checkpointed"] for row in sampler.bucket_table.rows()}
             ids = plan.steps.ravel()
             pairs, counts = np.unique(np.column_stack([plan.batch_len[ids], plan.batch_seq_len[ids]]), axis=0,
                                       return_counts=True)
-            return [ScheduledShape(int(b), self._key_shape[int(s)], int(n), depth[int(s)])
+            return [ScheduledShape(int(b), self._key_shape[int(s)], int(n), checkpointed[int(s)])
                     for (b, s), n in zip(pairs, counts)]
         return [ScheduledShape(row["batch_size"], row["latent_shape"], max(1, round(row["samples"] / row["batch_size"])),
                                row["checkpointed"])

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.data.collate import collate_samples
 from lightning_adaptiveload.data.shards import check_config, decode_sample
-from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 
@@ -63,7 +63,7 @@ class TrainLoader(DataLoader):
         self.epoch_fn = epoch_fn
         self.steps_taken = 0  # batches of this epoch handed out (workers may have prefetched more)
         # latent (T, H, W) -> blocks to checkpoint (the bucket's k under a memory plan), put into each
-        # batch as DEPTH_BATCH_KEY; a shape not listed (or None) leaves the key out: every block
+        # batch as CHECKPOINTED_BATCH_KEY; a shape not listed (or None) leaves the key out: every block
         self.depth_of_shape: dict[tuple[int, int, int], int] | None = None
 
     def _start_epoch(self, epoch: int | None) -> int:
@@ -85,7 +85,7 @@ class TrainLoader(DataLoader):
             if depths and "latent_shape" in batch:
                 k = depths.get(tuple(int(v) for v in batch["latent_shape"]))
                 if k is not None:
-                    batch[DEPTH_BATCH_KEY] = k
+                    batch[CHECKPOINTED_BATCH_KEY] = k
             yield batch
         self._end_epoch()
 

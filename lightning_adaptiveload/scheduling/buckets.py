@@ -151,12 +151,12 @@ class BucketTable:
                                             return_inverse=True)
         samples = np.zeros(len(seq_len), dtype=np.int64)
         np.add.at(samples, inverse.reshape(-1), counts[fits])
-        depth = np.full(len(seq_len), NO_DEPTH, dtype=np.int64)
+        checkpointed = np.full(len(seq_len), NO_DEPTH, dtype=np.int64)
         peak = np.full(len(seq_len), np.nan)
         if memory_plan is not None and policy == "balanced":
             choice = memory_plan.choose(seq_len, max_tokens=m_mem,
                                         limits=None if verification is None else verification.limits)
-            sizes, depth, peak, cost_ms = choice.batch_size, choice.checkpointed, choice.peak_bytes, choice.time_ms
+            sizes, checkpointed, peak, cost_ms = choice.batch_size, choice.checkpointed, choice.peak_bytes, choice.time_ms
             m_comp = p = None
         else:
             if cost_model is None and memory_plan is not None:
@@ -169,12 +169,12 @@ class BucketTable:
             cost_ms = np.full(len(seq_len), np.nan) if cost_model is None \
                 else np.asarray(cost_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
             if memory_plan is not None:
-                depth = np.full(len(seq_len), memory_plan.num_blocks, dtype=np.int64)
+                checkpointed = np.full(len(seq_len), memory_plan.num_blocks, dtype=np.int64)
                 peak = np.asarray(memory_plan.memory_model.predict(sizes, seq_len), dtype=np.float64).reshape(-1)
         return cls(seq_len=seq_len.astype(np.int64), latent_thw=thw[fits][first], samples=samples,
                    batch_size=np.asarray(sizes, dtype=np.int64), cost_ms=np.asarray(cost_ms, dtype=np.float64),
                    policy=policy, m_mem=m_mem, m_comp=m_comp, p=p, max_seq_len=max_seq_len,
-                   checkpointed=np.asarray(depth, dtype=np.int64), peak_bytes=np.asarray(peak, dtype=np.float64),
+                   checkpointed=np.asarray(checkpointed, dtype=np.int64), peak_bytes=np.asarray(peak, dtype=np.float64),
                    memory_plan=memory_plan, verification=verification)
 
     def __len__(self) -> int:
@@ -189,9 +189,9 @@ class BucketTable:
             BucketDepthCosts(self.memory_plan.cost_model, self.seq_len, self.checkpointed)
         if self.verification is None or model is None:
             return model
-        return self.verification.costs(model, self.depths())
+        return self.verification.costs(model, self.checkpointed_of())
 
-    def depths(self) -> dict[int, int | None]:
+    def checkpointed_of(self) -> dict[int, int | None]:
         """seq_len -> k of each bucket (None without a memory plan)."""
         return {int(s): None if k == NO_DEPTH else int(k) for s, k in zip(self.seq_len, self.checkpointed)}
 
@@ -234,7 +234,7 @@ class BucketTable:
         lines.append(header)
         measured = {} if self.verification is None else {
             (m.batch_size, m.seq_len, m.checkpointed): m for m in self.verification.shapes}
-        depths = self.depths()
+        depths = self.checkpointed_of()
         for row in self.rows():
             shape = "-" if row["latent_shape"] is None else str(row["latent_shape"])
             cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"

@@ -16,7 +16,7 @@ Pure numpy; the step-time model is anything with `predict(batch_size, seq_len, c
 
 `MemoryPlan` bundles the two models and the memory budget, the one object the bucket table, the
 sampler and the streaming schedule take to plan with measured memory (docs/memory.md); a batch then
-carries its bucket's k under DEPTH_BATCH_KEY for `PerBucketCheckpointing`.
+carries its bucket's k under CHECKPOINTED_BATCH_KEY for `PerBucketCheckpointing`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from lightning_adaptiveload.scheduling.verification import BucketLimit
 from lightning_adaptiveload._validation import is_positive_number, require_int
 
 # Batch entry holding how many of the model's blocks the step checkpoints (a Python int; absent: all).
-DEPTH_BATCH_KEY = "ac_blocks"
+CHECKPOINTED_BATCH_KEY = "ac_blocks"
 
 UNLIMITED = BucketLimit()
 
@@ -113,14 +113,14 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
 
     n, num_blocks = len(seq_lens), memory_model.num_blocks
     batch = np.zeros(n, dtype=np.int64)
-    depth = np.full(n, num_blocks, dtype=np.int64)
+    checkpointed = np.full(n, num_blocks, dtype=np.int64)
     time_ms = np.full(n, np.nan)
     fits = (cap >= 1) | pinned
     for i in np.flatnonzero(fits):
         limit = bucket_limits[i]
         if limit.pinned:  # measured to fit: kept as it is, whatever the models say now
-            batch[i], depth[i] = limit.max_batch_size, min(limit.min_checkpointed, num_blocks)
-            time_ms[i] = float(cost_model.predict(batch[i], seq_lens[i], depth[i]))
+            batch[i], checkpointed[i] = limit.max_batch_size, min(limit.min_checkpointed, num_blocks)
+            time_ms[i] = float(cost_model.predict(batch[i], seq_lens[i], checkpointed[i]))
             continue
         b = np.arange(1, cap[i] + 1)
         # every candidate fits at some k: cap[i] <= the largest B that fits at k = L
@@ -129,9 +129,9 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
         t = np.asarray(cost_model.predict(b, seq_lens[i], k), dtype=np.float64)
         rate = b / t  # B*S/t up to the common factor S
         best = np.flatnonzero(rate == rate.max())[-1]
-        batch[i], depth[i], time_ms[i] = b[best], k[best], t[best]
-    peak = scale * memory_model.predict(np.maximum(batch, 1), seq_lens, depth)
-    return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=depth, peak_bytes=np.asarray(peak),
+        batch[i], checkpointed[i], time_ms[i] = b[best], k[best], t[best]
+    peak = scale * memory_model.predict(np.maximum(batch, 1), seq_lens, checkpointed)
+    return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=checkpointed, peak_bytes=np.asarray(peak),
                        time_ms=time_ms, fits=fits, num_blocks=num_blocks, budget_bytes=budget)
 
 
@@ -221,7 +221,7 @@ class BucketDepthCosts:
         self.seq_lens = np.asarray(seq_lens, dtype=np.int64)[order]
         self.checkpointed = np.asarray(checkpointed, dtype=np.int64)[order]
 
-    def depth(self, seq_len) -> np.ndarray:
+    def checkpointed_at(self, seq_len) -> np.ndarray:
         """k of each entry of `seq_len` (int64, broadcast)."""
         s = np.asarray(seq_len)
         i = np.clip(np.searchsorted(self.seq_lens, s), 0, len(self.seq_lens) - 1)
@@ -229,4 +229,4 @@ class BucketDepthCosts:
 
     def predict(self, batch_size, seq_len):
         """Step ms at each bucket's depth; scalars give a float, arrays broadcast."""
-        return self.cost_model.predict(batch_size, seq_len, self.depth(seq_len))
+        return self.cost_model.predict(batch_size, seq_len, self.checkpointed_at(seq_len))

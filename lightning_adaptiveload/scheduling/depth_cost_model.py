@@ -7,7 +7,7 @@ import numpy as np
 
 from lightning_adaptiveload._validation import is_finite_number, require_int
 from lightning_adaptiveload.scheduling.cost_model import CostModel, model_from_doc
-from lightning_adaptiveload.scheduling.fitting import check_depths, check_measurements, rel_err
+from lightning_adaptiveload.scheduling.fitting import check_checkpointed, check_measurements, rel_err
 from lightning_adaptiveload.scheduling.model_io import (check_header, check_json_int, check_quality, nan_to_none,
                                                         read_json, write_json)
 
@@ -65,7 +65,7 @@ class DepthCostModel:
         judges it first); given, t_L is not fitted again and `form` is unused."""
         b, s, t = check_measurements(batch_sizes, seq_lens, times_ms)
         num_blocks = require_int("num_blocks", num_blocks)
-        k = check_depths(checkpointed, num_blocks)
+        k = check_checkpointed(checkpointed, num_blocks)
         if k.shape != t.shape:
             raise ValueError(f"checkpointed must have the shape of times_ms {t.shape}, got {k.shape}")
         full = k == num_blocks
@@ -97,7 +97,7 @@ class DepthCostModel:
         t = self.base.predict(batch_size, seq_len)
         if checkpointed is None:
             return t
-        u = (self.num_blocks - check_depths(checkpointed, self.num_blocks)) / self.num_blocks
+        u = (self.num_blocks - check_checkpointed(checkpointed, self.num_blocks)) / self.num_blocks
         t = np.asarray(t) * (1.0 - self.recompute_fraction * u)
         return float(t) if np.ndim(t) == 0 else t
 

@@ -59,7 +59,7 @@ def check_measurements(batch_sizes, seq_lens, times_ms) -> tuple[np.ndarray, np.
     return b, s, t
 
 
-def check_depths(checkpointed, num_blocks: int, name: str = "checkpointed") -> np.ndarray:
+def check_checkpointed(checkpointed, num_blocks: int, name: str = "checkpointed") -> np.ndarray:
     """`checkpointed` (k, blocks under activation checkpointing) as a float64 array; ValueError
     naming `name` unless every entry is a whole number in [0, num_blocks]."""
     k = np.asarray(checkpointed, dtype=np.float64)

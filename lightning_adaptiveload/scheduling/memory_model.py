@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import nnls
 
-from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS, check_depths, fit_quality, folds, positive_1d, rel_err
+from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS, check_checkpointed, fit_quality, folds, positive_1d, rel_err
 from lightning_adaptiveload.scheduling.model_io import (check_form, check_header, check_json_int, check_params,
                                                         check_quality, nan_to_none, read_json, write_json)
 from lightning_adaptiveload._validation import require_choice, require_int
@@ -110,7 +110,7 @@ def _fit_form(form: str, num_blocks: int, b, s, n, peak) -> tuple[dict, dict]:
 def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blocks):
     b, s, peak = (positive_1d(name, values) for name, values in
                   (("batch_sizes", batch_sizes), ("seq_lens", seq_lens), ("peak_bytes", peak_bytes)))
-    k = check_depths(checkpointed, num_blocks)
+    k = check_checkpointed(checkpointed, num_blocks)
     if k.ndim != 1 or not len(b) == len(s) == len(k) == len(peak):
         raise ValueError(f"batch_sizes, seq_lens, checkpointed, peak_bytes must be 1-D of equal length, got "
                          f"{len(b)}, {len(s)}, {k.shape}, {len(peak)}")
@@ -165,8 +165,8 @@ class MemoryModel:
 
     def _live(self, checkpointed) -> np.ndarray:
         """Live blocks n at depth k; checkpointed=None means k = L."""
-        depth = self.num_blocks if checkpointed is None else check_depths(checkpointed, self.num_blocks)
-        return _live_blocks(self.num_blocks, depth)
+        k = self.num_blocks if checkpointed is None else check_checkpointed(checkpointed, self.num_blocks)
+        return _live_blocks(self.num_blocks, k)
 
     def predict(self, batch_size, seq_len, checkpointed=None):
         """Peak bytes; checkpointed=None means every block checkpointed (k = L, the runtime's

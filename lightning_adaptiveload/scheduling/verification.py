@@ -155,11 +155,11 @@ class Verification:
     def limit(self, seq_len: int) -> BucketLimit | None:
         return self.limits.get(int(seq_len))
 
-    def costs(self, model, depth_of: Mapping[int, int | None]) -> "MeasuredCosts":
-        """`MeasuredCosts` over `model` from the shapes that fit at their bucket's depth in `depth_of`
+    def costs(self, model, checkpointed_of: Mapping[int, int | None]) -> "MeasuredCosts":
+        """`MeasuredCosts` over `model` from the shapes that fit at their bucket's depth in `checkpointed_of`
         (seq_len -> k of the table, None without a memory plan)."""
         return MeasuredCosts(model, [m for m in self.shapes
-                                     if m.fits and int(m.seq_len) in depth_of and m.checkpointed == depth_of[m.seq_len]])
+                                     if m.fits and int(m.seq_len) in checkpointed_of and m.checkpointed == checkpointed_of[m.seq_len]])
 
     def to_dict(self) -> dict:
         return {"shapes": [m.to_dict() for m in self.shapes],

@@ -15,7 +15,7 @@ from examples.video_dit.model import DiTBlock
 from examples.video_dit.module import VideoDiTModule
 from lightning_adaptiveload.callbacks import CostModelCalibration, PerBucketCheckpointing
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY, choose_batch_and_depth
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, choose_batch_and_depth
 from tests.helpers.data import C, D_TEXT, L_TEXT, tokens_ref, write_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +39,7 @@ class RecordingModule(VideoDiTModule):
         if not batch["keys"][0].startswith("synthetic"):  # not calibration's steps
             ran = sum(b.__dict__["_adaptiveload_checkpointing"].checkpoint for b in self.dit.blocks)
             self.batches.append((tuple(batch["latent_shape"]), len(batch["keys"]), list(batch["keys"]),
-                                 batch.get(DEPTH_BATCH_KEY), ran))
+                                 batch.get(CHECKPOINTED_BATCH_KEY), ran))
         return super().training_step(batch, batch_idx)
 
 
@@ -127,7 +127,7 @@ def test_until_a_plan_is_set_samples_over_m_mem_are_left_out_counted(tmp_path):
     assert "skipped/over_max_seq_len" not in dm.counters()  # admitted at setup
     loader = dm.build_train_loader(1, 0)
     keys = [k for batch in loader for k in batch["keys"]]
-    assert not long_keys & set(keys) and DEPTH_BATCH_KEY not in next(iter(loader))
+    assert not long_keys & set(keys) and CHECKPOINTED_BATCH_KEY not in next(iter(loader))
     assert loader.batch_sampler.stats["dropped_oversize"] == len(long_keys)
     assert dm.bucket_table().max_seq_len == M_MEM
     with pytest.raises(ValueError, match="oversize='resize'.*memory_planning"):

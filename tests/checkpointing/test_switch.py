@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from lightning_adaptiveload.checkpointing import (
-    BATCH_KEY, BlockCheckpointing, check_composition, depth_from_batch, find_blocks, resolve_block_classes,
+    BATCH_KEY, BlockCheckpointing, check_composition, checkpointed_from_batch, find_blocks, resolve_block_classes,
     select_instances,
 )
 from tests.checkpointing.toy import ToyBlock, ToyNet, toy_batch
@@ -197,16 +197,16 @@ def test_resolve_block_classes():
 
 
 def test_depth_from_batch():
-    assert depth_from_batch({"x": 1}, 6) == 6
-    assert depth_from_batch([1, 2], 6) == 6
-    assert depth_from_batch({BATCH_KEY: 2}, 6) == 2
-    assert depth_from_batch({BATCH_KEY: torch.tensor(3)}, 6) == 3
-    assert depth_from_batch({BATCH_KEY: torch.tensor([0])}, 6) == 0
-    assert depth_from_batch({BATCH_KEY: np.int64(6)}, 6) == 6
-    assert depth_from_batch({"k": np.array([4])}, 6, key="k") == 4
+    assert checkpointed_from_batch({"x": 1}, 6) == 6
+    assert checkpointed_from_batch([1, 2], 6) == 6
+    assert checkpointed_from_batch({BATCH_KEY: 2}, 6) == 2
+    assert checkpointed_from_batch({BATCH_KEY: torch.tensor(3)}, 6) == 3
+    assert checkpointed_from_batch({BATCH_KEY: torch.tensor([0])}, 6) == 0
+    assert checkpointed_from_batch({BATCH_KEY: np.int64(6)}, 6) == 6
+    assert checkpointed_from_batch({"k": np.array([4])}, 6, key="k") == 4
     for bad in (7, -1, 2.5, torch.tensor(2.0), torch.tensor([1, 2]), True, None):
         with pytest.raises(ValueError, match="ac_blocks"):
-            depth_from_batch({BATCH_KEY: bad}, 6)
+            checkpointed_from_batch({BATCH_KEY: bad}, 6)
 
 
 def test_check_composition_refuses_replaced_forwards_and_double_checkpointing():

@@ -186,8 +186,8 @@ def test_plan_with_a_memory_model_shows_depth_and_peak_and_keeps_every_sample(ca
     assert table["batch_size"] == ref.batch_size.tolist() and table["checkpointed"] == ref.checkpointed.tolist()
     assert table["peak_bytes"] == pytest.approx(ref.peak_bytes.tolist())
     assert stats["dropped_oversize"] == 0 and table["memory_plan"]["max_memory_fraction"] == 0.85
-    depth_of = dict(zip(table["seq_len"], table["checkpointed"]))  # the numbers docs/memory.md quotes
-    assert depth_of[75600] == 21 and min(table["checkpointed"]) == 0 and max(table["checkpointed"]) == 22
+    checkpointed_of = dict(zip(table["seq_len"], table["checkpointed"]))  # the numbers docs/memory.md quotes
+    assert checkpointed_of[75600] == 21 and min(table["checkpointed"]) == 0 and max(table["checkpointed"]) == 22
     code, out, _ = run(capsys, *args)
     assert code == 0 and "memory model: MemoryModel(" in out and "memory plan: peak <= 118.83 GiB" in out
     long_line = next(line for line in out.splitlines() if line.split()[:1] == ["75600"])

@@ -9,7 +9,7 @@ import pytest
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
-from lightning_adaptiveload.scheduling.depth_choice import DEPTH_BATCH_KEY, choose_batch_and_depth
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, choose_batch_and_depth
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from tests.data.test_webdataset_stream import stream_dm
 from tests.helpers.data import indexed_datamodule, tokens_ref, write_dataset
@@ -29,7 +29,7 @@ def check_batches(batches, table, written=None):
     row = {r["latent_shape"]: r for r in table.rows()}
     for b in batches:
         thw = tuple(b["latent_shape"])
-        assert b[DEPTH_BATCH_KEY] == row[thw]["checkpointed"] and type(b[DEPTH_BATCH_KEY]) is int
+        assert b[CHECKPOINTED_BATCH_KEY] == row[thw]["checkpointed"] and type(b[CHECKPOINTED_BATCH_KEY]) is int
         assert len(b["keys"]) <= row[thw]["batch_size"]
     return {k for b in batches for k in b["keys"]}
 
@@ -69,7 +69,7 @@ def test_map_style_batches_follow_the_plan_and_long_samples_fit_or_are_counted(t
     assert dm.bucket_table().max_seq_len == MEMORY.max_seq_len(1200) < tokens_ref(*LONG)
 
     dm.set_cost_model(TIME.base)  # a new cost model drops the plan: no depth in the batches
-    assert dm.memory_plan is None and DEPTH_BATCH_KEY not in next(iter(dm.build_train_loader(1, 0)))
+    assert dm.memory_plan is None and CHECKPOINTED_BATCH_KEY not in next(iter(dm.build_train_loader(1, 0)))
     with pytest.raises(ValueError, match="needs a DepthCostModel"):
         dm.set_memory_plan(TIME.base, MEMORY, FITS_LONG)
     with pytest.raises(ValueError, match="max_memory_fraction"):

@@ -105,7 +105,7 @@ def test_bucket_depth_costs_price_each_bucket_at_its_depth_and_others_at_all_blo
     plan, _ = plan_of(3, L=6)
     costs = BucketDepthCosts(plan.cost_model, np.array([900, 100, 400]), np.array([1, 5, 3]))
     s = np.array([100, 400, 900, 250])
-    assert costs.depth(s).tolist() == [5, 3, 1, 6]
+    assert costs.checkpointed_at(s).tolist() == [5, 3, 1, 6]
     np.testing.assert_allclose(costs.predict(np.array([3, 2, 1, 4]), s),
                                [plan.cost_model.predict(b, int(x), k) for b, x, k in zip([3, 2, 1, 4], s, [5, 3, 1, 6])])
 
@@ -151,7 +151,7 @@ def test_stream_schedule_follows_the_plan_also_for_unlisted_buckets():
     ref = plan.choose(np.array(listed + [unlisted]), max_tokens=65536)
     assert [schedule.batch_size(s) for s in listed + [unlisted]] == ref.batch_size.tolist()
     # a listed bucket is priced at its depth, an unlisted one at k = L (what it runs at: no depth in its batches)
-    assert schedule.cost_model.depth(np.array([listed[0], unlisted])).tolist() == [ref.checkpointed[0], 5]
+    assert schedule.cost_model.checkpointed_at(np.array([listed[0], unlisted])).tolist() == [ref.checkpointed[0], 5]
 
 
 def test_schedule_keys_stay_the_table_keys_under_a_plan():

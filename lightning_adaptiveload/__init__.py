@@ -43,6 +43,7 @@ _EXPORTS = {
     # training helpers and callbacks
     "prepare_environment": "_environment",
     "scale_loss_to_global_mean": "loss",
+    "FSDPNormClipping": "clipping",
     "CostModelCalibration": "callbacks.calibration",
     "LoadBalanceMonitor": "callbacks.monitor",
     "FusedAdaLNSurgery": "callbacks.surgery",

@@ -17,7 +17,9 @@ ALLOWED = {
     "ops": set(),
     "surgery": {"ops"},
     "loss": set(),
-    "callbacks": {"scheduling", "data", "monitoring", "calibration", "checkpointing", "ops", "surgery", "loss"},
+    "clipping": set(),
+    "callbacks": {"scheduling", "data", "monitoring", "calibration", "checkpointing", "ops", "surgery", "loss",
+                  "clipping"},
     "cli": {"scheduling", "data", "encode", "monitoring", "ops", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),  # imports lazily, by name (checked in test_public_api.py)

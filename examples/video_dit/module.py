@@ -2,15 +2,14 @@
 AdaptiveLoadDataModule's batches (dict with `latents (B, C, T, H, W)` and `text (B, L, D_text)`)."""
 from __future__ import annotations
 
-import lightning as L
 import torch
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
+from lightning_adaptiveload.clipping import FSDPNormClipping
 from lightning_adaptiveload.loss import scale_loss_to_global_mean
 
 
-class VideoDiTModule(L.LightningModule):
+class VideoDiTModule(FSDPNormClipping):
     """Defaults are the Wan 2.1 1.3B shape; configs shrink it for the CPU demo.
 
     build_in_configure_model: build the network in `configure_model` instead of `__init__`
@@ -62,18 +61,6 @@ class VideoDiTModule(L.LightningModule):
         # Ranks hold different batch sizes under AdaptiveLoad; rescale so the gradient average
         # over ranks is the mean over all samples of the global batch.
         return {"loss": scale_loss_to_global_mean(loss, batch_size), "local_loss": loss.detach()}
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        """Clips by norm under FSDP with FSDP's own `clip_grad_norm_` (the norm over all shards):
-        Lightning's FSDP precision plugin raises for the Trainer's `gradient_clip_val` with the
-        default "norm" algorithm (Lightning issue #19235). Anything else: Lightning's default."""
-        model = self.trainer.model
-        by_norm = gradient_clip_algorithm in (None, "norm")
-        if gradient_clip_val and by_norm and isinstance(model, FullyShardedDataParallel):
-            model.clip_grad_norm_(gradient_clip_val)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams

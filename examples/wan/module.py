@@ -28,11 +28,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import FullyShardedDataParallel
 
+from lightning_adaptiveload.clipping import FSDPNormClipping
 from lightning_adaptiveload._validation import require_int, require_number
 from lightning_adaptiveload.loss import scale_loss_to_global_mean
 
@@ -113,7 +112,7 @@ def load_pretrained_transformer(path: str):
     return model
 
 
-class WanModule(L.LightningModule):
+class WanModule(FSDPNormClipping):
     """diffusers `WanTransformer3DModel` trained with Wan's flow-matching loss (module docstring).
 
     transformer_config: WanTransformer3DModel arguments overriding `WAN21_T2V_1_3B` key by key (a
@@ -296,20 +295,6 @@ class WanModule(L.LightningModule):
         loss = self.flow_matching_loss(latents, text, sigma, noise)
         self.log("train/loss", loss.detach(), batch_size=batch_size, prog_bar=True)
         return {"loss": scale_loss_to_global_mean(loss, batch_size), "local_loss": loss.detach()}
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        """Norm clipping under FSDP1 goes through FSDP's own `clip_grad_norm_` (the norm over all
-        shards): Lightning's FSDP precision plugin raises for the Trainer's `gradient_clip_val` with
-        norm clipping (Lightning #19235). Everything else is Lightning's default, which under
-        ModelParallelStrategy is `torch.nn.utils.clip_grad_norm_` over the DTensor parameters: the
-        norm over all shards too (tests/examples/test_wan_module.py checks it on two CPU ranks)."""
-        model = self.trainer.model
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") \
-                and isinstance(model, FullyShardedDataParallel):
-            model.clip_grad_norm_(gradient_clip_val)
-        else:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams

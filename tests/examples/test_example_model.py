@@ -1,9 +1,7 @@
 """The example Wan-2.1-style video DiT: shapes, gradients, block numerics and the loss against
 hand formulas in fp64."""
 import copy
-import types
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed.fsdp
@@ -262,32 +260,13 @@ def test_timestep_embedding_matches_diffusers_and_the_formula():
     torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=1e-4)  # diffusers: fp32 arguments
 
 
-class _RecordingFSDP(torch.distributed.fsdp.FullyShardedDataParallel):
-    """isinstance-FSDP stand-in (no process group on CPU) recording clip_grad_norm_ calls."""
+def test_clips_through_the_packages_fsdp_norm_clipping():
+    """The FSDP1 clipping override is the package's (tests/test_clipping.py tests it)."""
+    from examples.video_dit.module import VideoDiTModule
+    from lightning_adaptiveload.clipping import FSDPNormClipping
 
-    def __init__(self):
-        torch.nn.Module.__init__(self)
-        self.clipped = []
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        self.clipped.append(max_norm)
-
-
-@pytest.mark.parametrize("fsdp, algorithm, routed_to_fsdp", [
-    (True, "norm", True), (True, None, True), (True, "value", False), (False, "norm", False)])
-def test_gradient_clipping_by_norm_under_fsdp_goes_to_fsdp(monkeypatch, fsdp, algorithm, routed_to_fsdp):
-    """Lightning's FSDP precision plugin raises for norm clipping (Lightning #19235; hit by
-    examples/configs/h200_fsdp.yaml on two H200s): the module calls FSDP's clip_grad_norm_ instead,
-    and leaves every other case to Lightning."""
-    module = VideoDiTModule(dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
-    wrapped = _RecordingFSDP() if fsdp else torch.nn.Module()
-    module._trainer = types.SimpleNamespace(model=wrapped)
-    lightning_calls = []
-    monkeypatch.setattr(L.LightningModule, "configure_gradient_clipping",
-                        lambda self, opt, val=None, alg=None: lightning_calls.append((val, alg)))
-    module.configure_gradient_clipping(None, 0.7, algorithm)
-    assert (wrapped.clipped if fsdp else []) == ([0.7] if routed_to_fsdp else [])
-    assert lightning_calls == ([] if routed_to_fsdp else [(0.7, algorithm)])
+    assert issubclass(VideoDiTModule, FSDPNormClipping)
+    assert VideoDiTModule.configure_gradient_clipping is FSDPNormClipping.configure_gradient_clipping
 
 
 def test_compile_option_compiles_every_block_once_in_configure_model():

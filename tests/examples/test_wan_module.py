@@ -313,29 +313,13 @@ def test_fused_adaln_surgery_replaces_every_block_and_keeps_the_outputs(monkeypa
 
 # -- gradient clipping --
 
-class _RecordingFSDP(torch.distributed.fsdp.FullyShardedDataParallel):
-    """isinstance-FSDP1 stand-in (FSDPStrategy refuses the CPU) recording clip_grad_norm_ calls."""
+def test_clips_through_the_packages_fsdp_norm_clipping():
+    """The FSDP1 clipping override is the package's (tests/test_clipping.py tests it)."""
+    from examples.wan.module import WanModule
+    from lightning_adaptiveload.clipping import FSDPNormClipping
 
-    def __init__(self):
-        torch.nn.Module.__init__(self)
-        self.clipped = []
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        self.clipped.append(max_norm)
-
-
-@pytest.mark.parametrize("fsdp1, algorithm, routed_to_fsdp", [
-    (True, "norm", True), (True, None, True), (True, "value", False), (False, "norm", False)])
-def test_gradient_clipping_by_norm_under_fsdp1_goes_to_fsdp(monkeypatch, fsdp1, algorithm, routed_to_fsdp):
-    module = _tiny()
-    wrapped = _RecordingFSDP() if fsdp1 else torch.nn.Module()
-    module._trainer = types.SimpleNamespace(model=wrapped)
-    lightning_calls = []
-    monkeypatch.setattr(L.LightningModule, "configure_gradient_clipping",
-                        lambda self, opt, val=None, alg=None: lightning_calls.append((val, alg)))
-    module.configure_gradient_clipping(None, 0.7, algorithm)
-    assert (wrapped.clipped if fsdp1 else []) == ([0.7] if routed_to_fsdp else [])
-    assert lightning_calls == ([] if routed_to_fsdp else [(0.7, algorithm)])
+    assert issubclass(WanModule, FSDPNormClipping)
+    assert WanModule.configure_gradient_clipping is FSDPNormClipping.configure_gradient_clipping
 
 
 # -- FSDP2 on the CPU --

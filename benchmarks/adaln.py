@@ -16,7 +16,6 @@ alive after forward beyond x, y and the inputs (compiled graphs hide theirs insi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from _meta import run_meta
-
-from lightning_adaptiveload import ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import run_meta, write_result  # noqa: E402
+from lightning_adaptiveload import ops  # noqa: E402
 
 SHAPES = [(1, 16384, 1536), (1, 65536, 1536), (2, 32760, 5120), (1, 65536, 5120), (4, 4096, 3072)]
 EPS = 1e-6
@@ -250,15 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, "fwd_ms", "bwd_ms", "do_bench, direct calls (includes Python/launch overhead)")
     print_targets(rows)
     result = {
-        **run_meta("adaln"),
+        **run_meta("adaln", argv),
         "description": __doc__.strip().splitlines()[0],
         "backend": backend,
         "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {args.out}")
+    print()
+    write_result(args.out, result)
     return 0
 
 

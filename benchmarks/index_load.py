@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+# The repository root, put on sys.path by the driver only (main, after the child branch): a measured
+# child imports the package its PYTHONPATH names (this checkout's or a baseline commit's), so this
+# script must not put the checkout first there (see benchmarks/_meta.py).
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PHASES = ("read", "setup", "worker")
@@ -193,7 +196,8 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from _meta import run_meta, write_result  # imports the package: only here, not in the measured children
+    sys.path.insert(0, str(REPO))  # the repository root: only here, not in the measured children
+    from benchmarks._meta import run_meta, write_result  # imports the package
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "data").mkdir()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 from importlib.resources import files
 from pathlib import Path
 
@@ -22,13 +23,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from _meta import run_meta, write_result
-from lightning_adaptiveload.scheduling.cost_model import load_cost_model
-from lightning_adaptiveload.scheduling.policies import POLICIES
-from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
-from lightning_adaptiveload.scheduling.simulate import simulate, simulate_streaming
-
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model  # noqa: E402
+from lightning_adaptiveload.scheduling.policies import POLICIES  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
+from lightning_adaptiveload.scheduling.simulate import simulate, simulate_streaming  # noqa: E402
 
 
 def main() -> None:

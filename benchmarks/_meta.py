@@ -1,19 +1,21 @@
 """The header of every benchmark's result file: what ran, when, where, with which versions.
 
-Every script under benchmarks/ starts its imports the same way, before anything of this package or
-of examples/ is imported:
+The scripts live in benchmarks/<part>/ as the package is grouped (kernel/, scheduling/, data/,
+e2e/) and run from the repository root as `python benchmarks/<part>/<name>.py`; their result files
+go to benchmarks/results/ (RESULTS). Every script starts its imports the same way, before anything
+of this package or of examples/ is imported:
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[N]))  # the repository root (see benchmarks/_meta.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
     from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 
-with N the script's depth below the root. That one line is what puts this checkout first on
-sys.path, both when a script runs as `python benchmarks/....py` (Python puts only the script's own
-folder there) and when a test loads it by path: `benchmarks._meta`, `examples.*` and this checkout's
-`lightning_adaptiveload` then come from the repository root. A result file names this checkout's
-commit, so the package measured must be this checkout's, not an installed copy of another commit
-(`pip install .` copies the package); run_meta refuses one. The one exception is a script whose
-measured child processes must import another package (index_load.py measures a
-baseline commit's): it puts the root on sys.path in its driver only.
+That one line is what puts this checkout first on sys.path, both when a script runs as a file
+(Python puts only the script's own folder there) and when a test loads it by path: `benchmarks.*`,
+`examples.*` and this checkout's `lightning_adaptiveload` then come from the repository root. A
+result file names this checkout's commit, so the package measured must be this checkout's, not an
+installed copy of another commit (`pip install .` copies the package); run_meta refuses one. The
+one exception is data/index_load.py, whose measured child processes import the package their
+PYTHONPATH names (this checkout's or a baseline commit's): it puts the root on sys.path in its
+driver only.
 
 Every result JSON is written by write_result with run_meta's header first.
 """

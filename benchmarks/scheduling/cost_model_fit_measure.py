@@ -10,8 +10,8 @@ Shapes: the (B, S) grid of --grid (default the shipped H200 curve), then for eve
 --m-mems the dual-constraint schedule of --mix (M_comp = CostModel.m_comp with S_ref = longest
 bucket, p from the power form fitted to --grid), then the grid again in reverse order.
 
-    python benchmarks/cost_model_fit_measure.py --out-dir benchmarks/results   # on a CUDA GPU
-    python benchmarks/cost_model_fit_measure.py --dry-run                      # list shapes only
+    python benchmarks/scheduling/cost_model_fit_measure.py --out-dir benchmarks/results   # on a CUDA GPU
+    python benchmarks/scheduling/cost_model_fit_measure.py --dry-run                      # list shapes only
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock, rope_3d  # noqa: E402
 from lightning_adaptiveload.scheduling.cost_model import CostModel, read_measurements  # noqa: E402

@@ -2,8 +2,8 @@
 
 One configuration per process (Lightning's launcher re-runs this script for every rank):
 
-    python benchmarks/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 400] [--devices 2]
-    python benchmarks/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e/e2e_2xh200.json
+    python benchmarks/e2e/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 400] [--devices 2]
+    python benchmarks/e2e/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e/e2e_2xh200.json
 
 `run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
 `--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
@@ -37,7 +37,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402

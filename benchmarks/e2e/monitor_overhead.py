@@ -13,8 +13,8 @@ step and how much longer a profiled step runs than unprofiled steps of the same 
 profiler records every op). Their sum over the default period of steps is the default sampling's
 busy-time overhead. As a cross-check: training wall time per step with vs without the monitor.
 
-    python benchmarks/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
-    python benchmarks/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
+    python benchmarks/e2e/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
+    python benchmarks/e2e/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor  # noqa: E402

@@ -1,8 +1,8 @@
 """The shipped GPU config as a user runs it, against its baseline, on the same samples (one GPU).
 
-    python benchmarks/shipped_config.py --runs baseline,compiled --out part1.json        # one H200
-    python benchmarks/shipped_config.py --combine part1.json part2.json --out benchmarks/results/shipped_config_h200.json
-    python benchmarks/shipped_config.py --tiny --runs baseline,eager --out /tmp/shipped_cpu.json   # CPU smoke run
+    python benchmarks/e2e/shipped_config.py --runs baseline,compiled --out part1.json        # one H200
+    python benchmarks/e2e/shipped_config.py --combine part1.json part2.json --out benchmarks/results/shipped_config_h200.json
+    python benchmarks/e2e/shipped_config.py --tiny --runs baseline,eager --out /tmp/shipped_cpu.json   # CPU smoke run
 
 Each run is `adaptiveload fit --config ...` in a fresh process with `--trainer.devices 1`, one epoch
 (`max_epochs 1`, no step limit) over the same `--samples` synthetic samples of the reference mix
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 

@@ -33,8 +33,8 @@ synchronization inside the timed calls, few enough calls that the launch queue n
 host gaps: pure GPU time), `wall_fwd_bwd_us` = back-to-back calls with a final synchronize, per
 call. wall ~= gpu means the GPU is the limit; wall ~= host means the host is.
 
-    python benchmarks/adaln_host.py                       # CPU: benchmarks/results/adaln_host_cpu.json
-    python benchmarks/adaln_host.py --device cuda         # GPU: benchmarks/results/adaln_host_gpu.json
+    python benchmarks/kernel/adaln_host.py                       # CPU: benchmarks/results/adaln_host_cpu.json
+    python benchmarks/kernel/adaln_host.py --device cuda         # GPU: benchmarks/results/adaln_host_gpu.json
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 
 from lightning_adaptiveload import ops  # noqa: E402

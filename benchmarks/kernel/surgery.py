@@ -17,7 +17,7 @@ Per variant (eager, then the same model after apply_fused_adaln):
 Gradient checkpointing stays off unless the eager reference step runs out of memory (then it is
 turned on for both variants and the JSON says so).
 
-    python benchmarks/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
+    python benchmarks/kernel/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
 
 `--host` (CPU, no GPU needed) measures what surgery costs on the host instead, for the fingerprinted
 patterns and the idiom recogniser: the time of `apply_fused_adaln` on Wan-1.3B-shaped models of 2
@@ -26,7 +26,7 @@ block forward/backward spends around the op, at a shape small enough that the op
 negligible (example block, D = 64, 4 tokens, one thread; the variants interleaved round by round,
 medians, and the idiom-minus-pattern overhead as the median of paired per-round differences).
 
-    python benchmarks/surgery.py --host --out benchmarks/results/surgery_host_cpu.json   # ~2 min
+    python benchmarks/kernel/surgery.py --host --out benchmarks/results/surgery_host_cpu.json   # ~2 min
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import run_meta, write_result  # noqa: E402
 from lightning_adaptiveload import ops  # noqa: E402
 from lightning_adaptiveload.surgery import apply_fused_adaln  # noqa: E402
@@ -264,7 +264,7 @@ def main() -> None:
     if args.host:
         return host_costs(args)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/surgery.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel/surgery.py needs a CUDA GPU")
     import diffusers
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 

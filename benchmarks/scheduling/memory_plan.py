@@ -31,8 +31,8 @@ fraction of the mix's samples trained, peak memory (allocated and
 reserved) of each step, and predicted vs measured peak of every scheduled bucket. Out-of-memory steps
 are caught and recorded. The script stops starting new steps after --deadline-s and writes what it has.
 
-    python benchmarks/memory_plan.py --out benchmarks/results/memory_plan_h200.json   # one GPU
-    python benchmarks/memory_plan.py --device cpu --tiny --out /tmp/memory_plan_cpu.json  # smoke test
+    python benchmarks/scheduling/memory_plan.py --out benchmarks/results/memory_plan_h200.json   # one GPU
+    python benchmarks/scheduling/memory_plan.py --device cpu --tiny --out /tmp/memory_plan_cpu.json  # smoke test
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock, DiTConfig, VideoDiT, flow_matching_loss  # noqa: E402
 from lightning_adaptiveload.calibration.runner import _SavedTensorBytes  # noqa: E402

@@ -23,8 +23,8 @@ and on `--keys` synthetic keys ("sample%09d", default 1M):
   unique_keys     the duplicate-key check of an index parse: hash every key, sort, compare
                   equal hashes (parsing the same lines takes about 9 s per million)
 
-    python benchmarks/integrity.py                     # defaults below
-    python benchmarks/integrity.py --n 512 --keys 100000 --out /tmp/x.json
+    python benchmarks/data/integrity.py                     # defaults below
+    python benchmarks/data/integrity.py --n 512 --keys 100000 --out /tmp/x.json
 
 Prints a table and writes benchmarks/results/integrity.json.
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.data.datamodule import REFERENCE_MIX  # noqa: E402
 from lightning_adaptiveload.data.index import (SampleIndex, _check_unique_keys, build_index, check_shards,  # noqa: E402

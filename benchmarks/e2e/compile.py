@@ -1,9 +1,9 @@
 """Compiled mixed-shape training: eager vs regional torch.compile strategies, with and without the
 fused AdaLN surgery, on a training-like sequence of the reference mix's batch shapes.
 
-    python benchmarks/compile.py --out benchmarks/results/compile_h200.json            # one H200
-    python benchmarks/compile.py --device cpu --tiny --m-mem 640 --out /tmp/compile_cpu.json   # smoke test
-    python benchmarks/compile.py --combine a.json b.json --out c.json   # one table of earlier runs
+    python benchmarks/e2e/compile.py --out benchmarks/results/compile_h200.json            # one H200
+    python benchmarks/e2e/compile.py --device cpu --tiny --m-mem 640 --out /tmp/compile_cpu.json   # smoke test
+    python benchmarks/e2e/compile.py --combine a.json b.json --out c.json   # one table of earlier runs
 
 The example Wan-2.1-1.3B-shaped DiT (`--layers` of its blocks), bf16 autocast, AdamW, flow-matching
 loss: one optimizer step per batch. Batches: the full batch of `--buckets` buckets spread over the
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 
 MODES = ("eager", "eager+surgery", "static", "auto", "dynamic", "dynamic+surgery")

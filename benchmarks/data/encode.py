@@ -1,8 +1,8 @@
 """What `adaptiveload encode` costs per clip on one GPU: the Wan 2.1 VAE and the UMT5-XXL text encoder.
 
-    python benchmarks/encode.py --out benchmarks/results/encode_h200.json        # one H200, about 2 minutes
-    python benchmarks/encode.py --device cpu --tiny --out /tmp/encode_cpu.json   # smoke test (tiny models)
-    python benchmarks/encode.py --dry-run                                        # the plan; builds and runs nothing
+    python benchmarks/data/encode.py --out benchmarks/results/encode_h200.json        # one H200, about 2 minutes
+    python benchmarks/data/encode.py --device cpu --tiny --out /tmp/encode_cpu.json   # smoke test (tiny models)
+    python benchmarks/data/encode.py --dry-run                                        # the plan; builds and runs nothing
 
 Models, random weights (the cost of a forward pass does not depend on the values): the VAE is
 diffusers' `AutoencoderKLWan()` with its default config, which is Wan 2.1's (127 M parameters); the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,

@@ -1,13 +1,13 @@
 """Simulated: token_equal with every block checkpointed, balanced with every block checkpointed, and
 balanced with per-bucket (B, k) from the memory plan, on the reference mix at 8, 16 and 64 ranks.
 
-    python benchmarks/memory_policies.py [--steps 2000] [--out benchmarks/results/memory_policies.json]
+    python benchmarks/scheduling/memory_policies.py [--steps 2000] [--out benchmarks/results/memory_policies.json]
 
 Models: fitted to the shipped H200 activation-checkpointing measurements
 (lightning_adaptiveload/data/h200_ac_measurements.json: the example Wan-1.3B-shaped DiT, 30 blocks,
 one H200): `MemoryModel` peak(B, S, k) and `DepthCostModel` t(B, S, k) (its base: the cost model at
 k = 30). Step times are the models' predictions, so this says what the plan is worth if the models
-hold; the GPU benchmark (benchmarks/memory_plan.py) measures it. Every policy gets m_mem = 65,536
+hold; the GPU benchmark (benchmarks/scheduling/memory_plan.py) measures it. Every policy gets m_mem = 65,536
 tokens as its token budget; token_equal and balanced drop the samples longer than it (the 81-frame
 720p ones, 8% of the mix), the plan keeps every sample that fits the device at B = 1; the last
 configuration runs the plan on the token budget's samples only, so its gain is the depths' alone
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.scheduling.cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan  # noqa: E402

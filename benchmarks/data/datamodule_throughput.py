@@ -6,8 +6,8 @@ worker count reads `--batches` batches of the train loader (token_equal policy: 
 need no cost model) and times them, worker start-up included.
 Text: the stand-in embedding (text_len x text_dim), as for a dataset without .text.npy members.
 
-    python benchmarks/datamodule_throughput.py                      # defaults below
-    python benchmarks/datamodule_throughput.py --latent-scale 1.0 --n 400 --workers 0 1 2
+    python benchmarks/data/datamodule_throughput.py                      # defaults below
+    python benchmarks/data/datamodule_throughput.py --latent-scale 1.0 --n 400 --workers 0 1 2
 
 Each configuration runs --repeats times (median reported, all runs in the JSON). Prints a table
 and writes benchmarks/results/datamodule_throughput.json.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import webdataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.data.datamodule import REFERENCE_MIX, AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.data.index import build_index  # noqa: E402

@@ -6,10 +6,10 @@ dual-constraint rule (M_comp from CostModel.m_comp with S_ref = longest bucket):
   exact: measured points whose (B, S) equals a scheduled (B, S) pair;
   near:  measured points within a factor 2 in B and in S of some scheduled pair.
 With --validate, also on a second measurements file the models never saw (e.g. the scheduled
-shapes measured by benchmarks/cost_model_fit_measure.py in the same session as the curve).
+shapes measured by benchmarks/scheduling/cost_model_fit_measure.py in the same session as the curve).
 
-    python benchmarks/cost_model_fit.py  # H200 curve and reference mix shipped with the package
-    python benchmarks/cost_model_fit.py --curve benchmarks/results/cost_model_fit_h200_grid.json \
+    python benchmarks/scheduling/cost_model_fit.py  # H200 curve and reference mix shipped with the package
+    python benchmarks/scheduling/cost_model_fit.py --curve benchmarks/results/cost_model_fit_h200_grid.json \
         --validate benchmarks/results/cost_model_fit_h200_schedule.json \
         --out benchmarks/results/cost_model_fit_h200.json
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import scipy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, plot_fit, read_measurements  # noqa: E402
 from lightning_adaptiveload.scheduling.policies import batch_sizes  # noqa: E402

@@ -1,7 +1,7 @@
 """Cold shapes in training, and what the shape warm-up does about them (one GPU).
 
-    python benchmarks/warmup.py --out benchmarks/results/warmup_h200.json            # one H200
-    python benchmarks/warmup.py --device cpu --tiny --out /tmp/warmup_cpu.json       # smoke test
+    python benchmarks/e2e/warmup.py --out benchmarks/results/warmup_h200.json            # one H200
+    python benchmarks/e2e/warmup.py --device cpu --tiny --out /tmp/warmup_cpu.json       # smoke test
 
 Three parts, each in fresh processes where the process's caches matter:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 
 WAN = dict(latent_channels=16, text_len=512, text_dim=4096, dim=1536, heads=12, ffn=8960, freq_dim=256,

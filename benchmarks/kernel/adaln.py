@@ -11,7 +11,7 @@ Times are triton.testing.do_bench medians (L2 flushed between repetitions) in ms
 (forward + backward) - forward, both with autograd recording. saved_MB = memory autograd keeps
 alive after forward beyond x, y and the inputs (compiled graphs hide theirs inside the graph).
 
-    python benchmarks/adaln.py --out benchmarks/results/adaln_h200.json
+    python benchmarks/kernel/adaln.py --out benchmarks/results/adaln_h200.json
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (see benchmarks/_meta.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import run_meta, write_result  # noqa: E402
 from lightning_adaptiveload import ops  # noqa: E402
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", type=str, default=None, help="B,N,D;B,N,D;... (default: the issue's five)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/adaln.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel/adaln.py needs a CUDA GPU")
     backend = ops.backend()
     if not backend.startswith("cuda:"):
         sys.exit(f"the fused kernels are not active ({backend}); build the extension first")

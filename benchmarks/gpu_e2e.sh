@@ -2,7 +2,7 @@
 # End-to-end FSDP benchmark (AdaptiveLoad vs token-equal bucketing), one command from the
 # repository root on the device machine (about 7-8 min on 2x H200 with the defaults):
 #   bash benchmarks/gpu_e2e.sh            # carry .whl (webdataset, braceexpand) when missing there
-# Builds lightning_adaptiveload._C in place, runs benchmarks/e2e.py for token_equal,
+# Builds lightning_adaptiveload._C in place, runs benchmarks/e2e/e2e.py for token_equal,
 # dual_constraint (recorded without training when its plan equals token_equal's), balanced and
 # balanced_fused on the same synthetic shards, then the report. To $OUT (default
 # benchmarks/results/e2e): setup.log, runs.log, report.log, e2e_<N>xh200.json/.png and
@@ -35,14 +35,14 @@ for config in token_equal dual_constraint balanced balanced_fused; do
   if [ "$left" -lt 60 ]; then
     echo "$config skipped: ${left}s left of E2E_BUDGET_S" | tee -a "$OUT/runs.log"; status=1; continue
   fi
-  timeout "$left" python3 benchmarks/e2e.py run --config "$config" --workdir "$WORK" --devices "$DEVICES" \
+  timeout "$left" python3 benchmarks/e2e/e2e.py run --config "$config" --workdir "$WORK" --devices "$DEVICES" \
     --layers "${E2E_LAYERS:-8}" --samples "$SAMPLES" > "$WORK.log" 2>&1 || {
     echo "$config failed (exit $?), see runs.log"; status=1
-    pkill -f "benchmarks/e2e.py run" && sleep 5; }  # ranks the launcher started may outlive a timeout
+    pkill -f "benchmarks/e2e/e2e.py run" && sleep 5; }  # ranks the launcher started may outlive a timeout
   { echo "===== $config (+${SECONDS}s)"; cat "$WORK.log"; } >> "$OUT/runs.log"
   tail -n 1 "$WORK.log"
   tar -czf "$OUT/e2e_work.tar.gz" -C "$WORK" --exclude=./shards --exclude='./index.jsonl*' . 2>/dev/null
 done
-python3 benchmarks/e2e.py report --workdir "$WORK" --out "$OUT/e2e_${DEVICES}xh200.json" 2>&1 | tee "$OUT/report.log" ||
+python3 benchmarks/e2e/e2e.py report --workdir "$WORK" --out "$OUT/e2e_${DEVICES}xh200.json" 2>&1 | tee "$OUT/report.log" ||
   status=1
 exit $status

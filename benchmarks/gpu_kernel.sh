@@ -4,8 +4,8 @@
 #      ADAPTIVELOAD_CUDA_ARCHS says otherwise),
 #   2. tests/ops/test_adaln_cuda.py (fused vs fp64, determinism, torch.compile, FSDP) and, at the same
 #      time, compute-sanitizer memcheck + racecheck on small shapes of every kernel,
-#   3. benchmarks/adaln_host.py --device cuda (host cost per call of the op layer, by design),
-#   4. benchmarks/adaln.py (alone on the GPU, for clean timings).
+#   3. benchmarks/kernel/adaln_host.py --device cuda (host cost per call of the op layer, by design),
+#   4. benchmarks/kernel/adaln.py (alone on the GPU, for clean timings).
 # Logs and JSON go to $OUT (default benchmarks/results/gpu_kernel); copy kernel_gpu_tests.log,
 # adaln_host_gpu.json and adaln_h200.json into benchmarks/results/ and commit them. Exit status: 0
 # only if every stage passed.
@@ -104,14 +104,14 @@ fi
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tee -a "$summary"
 
 stage "3/4 host cost benchmark"
-if ! timeout 120 python3 benchmarks/adaln_host.py --device cuda --out "$OUT/adaln_host_gpu.json" 2>&1 | tee "$OUT/host_benchmark.log"; then
+if ! timeout 120 python3 benchmarks/kernel/adaln_host.py --device cuda --out "$OUT/adaln_host_gpu.json" 2>&1 | tee "$OUT/host_benchmark.log"; then
   status=1
   stage "host cost benchmark FAILED or timed out"
 fi
 
 left=$((DEADLINE - SECONDS))
 stage "4/4 benchmark (${left}s left)"
-if ! timeout "$left" python3 benchmarks/adaln.py --out "$OUT/adaln_h200.json" 2>&1 | tee "$OUT/benchmark.log"; then
+if ! timeout "$left" python3 benchmarks/kernel/adaln.py --out "$OUT/adaln_h200.json" 2>&1 | tee "$OUT/benchmark.log"; then
   status=1
   stage "benchmark FAILED or timed out"
 fi

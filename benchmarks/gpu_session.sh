@@ -6,11 +6,11 @@
 #   setup    wheels from .whl (webdataset, jsonargparse, diffusers, ... missing on the image), the
 #            CUDA extension built in place (sm_90) unless a carried build loads, the op's backend
 #   tests    every test marked `cuda` (pytest -m cuda), log kept
-#   host     benchmarks/adaln_host.py: host cost of the fused op per call
-#   compile  benchmarks/compile.py: eager vs regional compile strategies, +- surgery
-#   warmup   benchmarks/warmup.py: cold shapes with and without the shape warm-up
-#   memory   benchmarks/memory_plan.py: per-bucket activation checkpointing
-#   shipped  benchmarks/shipped_config.py: the shipped config and its baseline as a user runs them
+#   host     benchmarks/kernel/adaln_host.py: host cost of the fused op per call
+#   compile  benchmarks/e2e/compile.py: eager vs regional compile strategies, +- surgery
+#   warmup   benchmarks/e2e/warmup.py: cold shapes with and without the shape warm-up
+#   memory   benchmarks/scheduling/memory_plan.py: per-bucket activation checkpointing
+#   shipped  benchmarks/e2e/shipped_config.py: the shipped config and its baseline as a user runs them
 #            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
 #            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
 #            it to the next call: compiled and compiled95 share one)
@@ -64,16 +64,16 @@ for stage in "$@"; do
     tests)  # TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran on this commit's csrc
       run tests 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ ${TESTS_ARGS:-} ;;
     host)
-      run host 90 python3 benchmarks/adaln_host.py --out "$OUT/host/adaln_host_h200.json" ;;
+      run host 90 python3 benchmarks/kernel/adaln_host.py --out "$OUT/host/adaln_host_h200.json" ;;
     compile)
-      run compile "${COMPILE_LIMIT_S:-330}" python3 benchmarks/compile.py --out "$OUT/compile/compile_h200.json" ${COMPILE_ARGS:-} ;;
+      run compile "${COMPILE_LIMIT_S:-330}" python3 benchmarks/e2e/compile.py --out "$OUT/compile/compile_h200.json" ${COMPILE_ARGS:-} ;;
     warmup)
-      run warmup 270 python3 benchmarks/warmup.py --out "$OUT/warmup/warmup_h200.json" --workdir /tmp/warmup_bench \
+      run warmup 270 python3 benchmarks/e2e/warmup.py --out "$OUT/warmup/warmup_h200.json" --workdir /tmp/warmup_bench \
         ${WARMUP_ARGS:-} ;;
     memory)
-      run memory 290 python3 benchmarks/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
+      run memory 290 python3 benchmarks/scheduling/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
     shipped)
-      run shipped "${SHIPPED_LIMIT_S:-560}" python3 benchmarks/shipped_config.py --runs "${SHIPPED_RUNS:-baseline,compiled}" \
+      run shipped "${SHIPPED_LIMIT_S:-560}" python3 benchmarks/e2e/shipped_config.py --runs "${SHIPPED_RUNS:-baseline,compiled}" \
         --samples "${SHIPPED_SAMPLES:-100}" --workdir /tmp/shipped --cache-dir .shipped_cache \
         --out "$OUT/shipped/shipped_config.json" ${SHIPPED_ARGS:-}
       for dir in /tmp/shipped/*/; do

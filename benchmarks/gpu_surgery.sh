@@ -3,7 +3,7 @@
 #   1. the CUDA op's backend, 2. GPU comparisons (tests/surgery/test_gpu.py: Wan 2.1/2.2 and
 #   SD3.5 blocks by pattern and by idiom, bf16 vs fp64; tests/surgery/test_compile.py: fused example
 #   and Wan blocks under inductor, fullgraph), 3. a 2-GPU FSDP Lightning run with the
-#   FusedAdaLNSurgery callback (tests/surgery/test_fsdp.py), 4. benchmarks/surgery.py.
+#   FusedAdaLNSurgery callback (tests/surgery/test_fsdp.py), 4. benchmarks/kernel/surgery.py.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu_surgery); commit them from there.
 # Needs 2 GPUs for step 3 (skipped with a note otherwise). Python packages missing on the machine
 # (diffusers, importlib_metadata, zipp, ...) are installed from ./.whl when that folder exists.
@@ -27,5 +27,5 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
 else
   echo "fewer than 2 GPUs: FSDP run skipped" | tee "$OUT/fsdp.log"
 fi
-python3 benchmarks/surgery.py --out "$OUT/surgery_h200.json" 2>&1 | tee "$OUT/benchmark.log" || status=1
+python3 benchmarks/kernel/surgery.py --out "$OUT/surgery_h200.json" 2>&1 | tee "$OUT/benchmark.log" || status=1
 exit $status

@@ -30,7 +30,7 @@ from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, FIELDS
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 
 PROXY_LOAD_UNIT = "tokens^2 (proxy B*S^2: no cost model)"
-DEFAULT_BUSY_EVERY_N_LOGS = 8  # at log_every_n_steps=50: one profiled step in 400 (benchmarks/monitor_overhead.py)
+DEFAULT_BUSY_EVERY_N_LOGS = 8  # at log_every_n_steps=50: one profiled step in 400 (benchmarks/e2e/monitor_overhead.py)
 
 
 def batch_samples_and_seq_len(batch) -> tuple[int, int, int]:

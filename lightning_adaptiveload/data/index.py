@@ -183,7 +183,7 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 @dataclass(frozen=True, eq=False)
 class SampleIndex:
     """An index in memory as numpy columns (N samples, S shards): no Python object per sample, so
-    its arrays take about 140 bytes a sample (1.4 GB at 10M, benchmarks/index_load.py), and forked
+    its arrays take about 140 bytes a sample (1.4 GB at 10M, benchmarks/data/index_load.py), and forked
     DataLoader workers share the pages (a list of dicts is copied into every worker page by page
     as reference counts change).
 
@@ -456,7 +456,7 @@ class FileFingerprint:
 
 def file_fingerprint(path: str | Path) -> FileFingerprint:
     """Stat and sha256 of one open file, read in 16 MiB chunks (about 0.2 s per 234 MB, a 1M-line
-    index, on the benchmark CPU: benchmarks/index_load.py)."""
+    index, on the benchmark CPU: benchmarks/data/index_load.py)."""
     digest = hashlib.sha256()
     chunk = bytearray(_HASH_CHUNK)
     with open(path, "rb", buffering=0) as f:

@@ -1,6 +1,6 @@
 """The per-rank balance log: the one module that writes and reads `balance_per_rank.csv` and
 `balance_meta.json` (LoadBalanceMonitor writes them on rank 0; `adaptiveload report` and
-benchmarks/e2e.py read them).
+benchmarks/e2e/e2e.py read them).
 
 The CSV holds one row per train batch per rank, the rows of one batch consecutive, rank 0 first;
 in memory the same data is an array of shape (steps, ranks, len(FIELDS)), and reading gives one

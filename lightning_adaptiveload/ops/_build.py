@@ -1,7 +1,7 @@
 """How to compile the AdaLN CUDA extension: the one place for sources, flags, archs and include dirs.
 
 Used by `setup.py` (the prebuilt `lightning_adaptiveload._C`), by `ops/extension.py` (the JIT build
-on first use or by `adaptiveload build-ext`) and by `benchmarks/adaln_variants.py` (through the
+on first use or by `adaptiveload build-ext`) and by `benchmarks/kernel/adaln_variants.py` (through the
 JIT build). Standard library only: setup.py loads this file by path, so an install does not
 import the package (nor torch a second time).
 

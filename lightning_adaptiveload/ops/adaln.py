@@ -147,7 +147,7 @@ def _canonical_args(
     x (B, N, D), shift/scale (B, M, D) of one dtype (x.dtype or fp32), weight/bias fp32, eps a float.
 
     Views and dtype casts only; every check runs before any kernel. Costs a few microseconds per
-    call (benchmarks/adaln_host.py), so it is kept to what a wrong call would otherwise get wrong.
+    call (benchmarks/kernel/adaln_host.py), so it is kept to what a wrong call would otherwise get wrong.
     """
     _check_tensor(x, "x", x)
     _check_tensor(shift, "shift", x)

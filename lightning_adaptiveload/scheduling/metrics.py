@@ -3,7 +3,7 @@
 Every function takes per-rank values as an array of shape (steps, ranks), the axis order of an
 EpochPlan's `steps` (n_steps, world_size): row i holds what each rank had at step i. The
 simulator (scheduling/simulate.py), LoadBalanceMonitor (monitoring/balance.py), `adaptiveload
-report` and benchmarks/e2e.py all call these; nobody recomputes a metric inline.
+report` and benchmarks/e2e/e2e.py all call these; nobody recomputes a metric inline.
 
 CV is the population coefficient of variation, std / mean with std = sqrt(mean((x - mean)^2)).
 A step lasts as long as its slowest rank, so the step time of step i is the max over ranks.

@@ -19,7 +19,7 @@ def keeps_partial_batches(policy: str) -> bool:
     """The default of drop_last=False for `policy`: balanced prices every batch and fills each step
     with batches of near-equal predicted cost, so a bucket's last, smaller batch costs no balance and
     keeping it trains every sample (on 200 reference-mix samples the token-budget habit of dropping
-    it loses 88; benchmarks/drop_last.py). token_equal and dual_constraint keep dropping it, as the
+    it loses 88; benchmarks/scheduling/drop_last.py). token_equal and dual_constraint keep dropping it, as the
     trainers they stand for do."""
     return require_choice("policy", policy, POLICIES) == "balanced"
 

@@ -1,4 +1,4 @@
-"""benchmarks/e2e.py's report arithmetic on a hand-written monitor CSV: balance metrics follow
+"""benchmarks/e2e/e2e.py's report arithmetic on a hand-written monitor CSV: balance metrics follow
 docs/monitoring.md (checked against per-batch fp64 loops), throughput counts tokens, batches that
 share an optimizer step (gradient accumulation) stay separate rows, short runs get a loss window
 that fits, and a missing baseline is a clear error. The GPU runs themselves: benchmarks/gpu_e2e.sh."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks" / "e2e.py")
+_spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks" / "e2e" / "e2e.py")
 e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(e2e)
 

@@ -1,4 +1,4 @@
-"""benchmarks/encode.py in its tiny CPU mode: it runs, writes the result header and rows whose
+"""benchmarks/data/encode.py in its tiny CPU mode: it runs, writes the result header and rows whose
 arithmetic holds, and its training-step references are the committed H200 results' numbers."""
 import importlib.util
 import json
@@ -11,7 +11,7 @@ pytest.importorskip("av", reason="the [encode] extra (PyAV) is not installed")
 pytest.importorskip("transformers", reason="the [encode] extra (transformers) is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("encode_benchmark", REPO / "benchmarks" / "encode.py")
+_spec = importlib.util.spec_from_file_location("encode_benchmark", REPO / "benchmarks" / "data" / "encode.py")
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench
 _spec.loader.exec_module(bench)

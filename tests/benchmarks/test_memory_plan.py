@@ -1,4 +1,4 @@
-"""benchmarks/memory_plan.py in its CPU smoke mode (a toy DiT on the demo mix): it runs, and its report's
+"""benchmarks/scheduling/memory_plan.py in its CPU smoke mode (a toy DiT on the demo mix): it runs, and its report's
 arithmetic holds: the fraction of the mix each configuration trains, the epoch tokens/s from the per-bucket
 rows, predicted peaks from the fitted memory model, per-bucket choices inside the budget. (The CPU numbers
 themselves mean nothing; the GPU run is the lead's.)"""
@@ -14,7 +14,7 @@ from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("memory_plan_benchmark", REPO / "benchmarks" / "memory_plan.py")
+_spec = importlib.util.spec_from_file_location("memory_plan_benchmark", REPO / "benchmarks" / "scheduling" / "memory_plan.py")
 memory_plan = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = memory_plan  # its dataclasses look their module up there
 _spec.loader.exec_module(memory_plan)

@@ -13,13 +13,17 @@ ranks' step times equal while their busy times follow the work.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_adaptiveload.callbacks import LoadBalanceMonitor
+# Run as a script, Python puts only tests/callbacks/ on sys.path: without the repository root every
+# rank would import an installed copy of the package (maybe another commit's), not this checkout's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_adaptiveload.callbacks import LoadBalanceMonitor  # noqa: E402
 
 STEPS = 6
 # (B, S) per step for each rank: rank 0 many short samples, rank 1 few long ones.

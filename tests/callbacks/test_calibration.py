@@ -362,7 +362,9 @@ def test_time_budget_skips_optional_points_but_never_the_required_ones(tmp_path)
     calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1, time_budget_s=1e-9,
                                  cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     _fit(tmp_path, VideoDiTModule(**TINY), [calib])
-    required = required_points([16, 64, 96], [1, 2, 4], None)
+    # the grid's required points, written out (not by required_points, which the callback calls): B = 1 at
+    # S = 16, 64, 96, then B = 2, 4 at the shortest S, then at the next, up to MIN_FIT_POINTS
+    required = [(1, 16), (1, 64), (1, 96), (2, 16), (4, 16), (2, 64), (4, 64)]
     status = {(p["batch_size"], p["seq_len"]): p["status"] for p in calib.result.points}
     assert len(status) == 9 and len(required) == MIN_FIT_POINTS
     assert all(status[p] == "ok" for p in required)
@@ -773,7 +775,9 @@ def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_
     full = [p for p in calib.result.points if p["checkpointed"] == 2]
     half = [p for p in calib.result.points if p["checkpointed"] == 1]
     assert len(full) == 9 and all(p["status"] == "ok" for p in calib.result.points)
-    required = required_points([16, 64, 96], [1, 2, 4], None)
+    # the points the fit needs (B = 1 at every S, then B = 2, 4 at the shortest S, then the next), written
+    # out rather than built by required_points, which the callback calls
+    required = [(1, 16), (1, 64), (1, 96), (2, 16), (4, 16), (2, 64), (4, 64)]
     assert [(p["batch_size"], p["seq_len"]) for p in half] == required  # the points the fit needs, again at k = 1
     # each point ran at its depth: every step of the grid recorded (B, S, k) of a recorded point
     recorded = {(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.result.points}

@@ -1,8 +1,9 @@
 """Planning with measured memory end to end on CPU: the tiny example DiT with PerBucketCheckpointing,
 CostModelCalibration and the AdaptiveLoadDataModule (memory_planning=True). Under a small (patched)
-device memory the buckets get the (B, k) that choose_batch_and_depth gives for the fitted models,
-every training batch carries its bucket's k and runs at it, and the samples longer than m_mem,
-which fit at B = 1 with every block checkpointed, are trained rather than dropped.
+device memory the buckets get the best (B, k) for the fitted models (a brute-force search over every
+B and k, tests/helpers/depth_brute_force.py), every training batch carries its bucket's k and runs at
+it, and the samples longer than m_mem, which fit at B = 1 with every block checkpointed, are trained
+rather than dropped.
 
 CPU "peaks" are the bytes autograd saves for backward (calibration/runner.py): the numbers stand
 for memory only in the sense the plan needs here, growing with B, S and the un-checkpointed blocks."""
@@ -15,8 +16,9 @@ from examples.video_dit.model import DiTBlock
 from examples.video_dit.module import VideoDiTModule
 from lightning_adaptiveload.callbacks import CostModelCalibration, PerBucketCheckpointing
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, choose_batch_and_depth
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
 from tests.helpers.data import C, D_TEXT, L_TEXT, tokens_ref, write_dataset
+from tests.helpers.depth_brute_force import best_batch_and_depth
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,13 +90,14 @@ def test_buckets_get_the_plans_batch_and_depth_and_no_sample_that_fits_is_left_o
     assert calib.result.source == "cache" and calib.result.memory_plan_used
     assert calib.result.memory.memory_model.params == pytest.approx(memory.params, rel=1e-9)
 
-    # the bucket table is the plan's choice for the fitted models on this device, token cap m_mem
+    # the bucket table is the best (B, k) for the fitted models on this device, token cap m_mem: by
+    # brute force, not by choose_batch_and_depth (which built the table)
     table = dm.bucket_table()
-    ref = choose_batch_and_depth(table.seq_len, memory, depth, device_memory_bytes=device,
-                                 max_memory_fraction=FRACTION, max_tokens=M_MEM)
-    assert ref.fits.all() and table.batch_size.tolist() == ref.batch_size.tolist()
-    assert table.checkpointed.tolist() == ref.checkpointed.tolist()
-    np.testing.assert_allclose(table.peak_bytes, ref.peak_bytes, rtol=1e-12)
+    ref = [best_batch_and_depth(int(s), memory, depth, FRACTION * device, M_MEM) for s in table.seq_len]
+    assert None not in ref and table.batch_size.tolist() == [b for b, _ in ref]
+    assert table.checkpointed.tolist() == [k for _, k in ref]
+    np.testing.assert_allclose(table.peak_bytes, [memory.predict(b, int(s), k) for s, (b, k) in zip(table.seq_len, ref)],
+                               rtol=1e-12)
     assert np.all(table.peak_bytes <= FRACTION * device)
     row = {r["latent_shape"]: r for r in table.rows()}
     assert row[LONG]["batch_size"] == 1 and 0 < row[LONG]["checkpointed"] <= L_

@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 import torch._dynamo
-from tests.callbacks.ddp_monitor_script import BUSY_STEPS, RANK_SHAPES, STEPS, WORK_UNITS
+from tests.callbacks.ddp_monitor_script import BUSY_STEPS, RANK_SHAPES, STEPS
 from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor
@@ -144,8 +144,24 @@ def test_load_is_priced_as_the_datamodule_schedules(tmp_path):
         assert float(r["load"]) == pytest.approx(0.5 * AffineCost().predict(b, s), rel=1e-5)
 
 
-def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys):
+def _record_profiler_windows(monkeypatch) -> list[tuple[float, float]]:
+    """Every (busy_ms, comm_ms) the monitor's profiler windows return, in order (the warm-up
+    window at train start first): the real windows run, the test sees what they measured."""
+    from lightning_adaptiveload.monitoring.busy import StepProfiler
+
+    returned, stop = [], StepProfiler.stop
+
+    def recording_stop(self):
+        returned.append(stop(self))
+        return returned[-1]
+
+    monkeypatch.setattr(StepProfiler, "stop", recording_stop)
+    return returned
+
+
+def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys, monkeypatch):
     monitor = LoadBalanceMonitor(window=4, busy_every_n_logs=1)
+    windows = _record_profiler_windows(monkeypatch)
     trainer = _fit(tmp_path, monitor, TinyData(cost_model=AffineCost()))
     log_dir = trainer.logger.log_dir
 
@@ -190,9 +206,14 @@ def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys):
             assert not m.get("rank0/busy_ms") and not m.get("balance/busy_cv")
     profiled = [int(r["step"]) for r in rows if r["busy_ms"] != "nan"]
     assert profiled == [2, 5]
+    # Each profiled row holds exactly what that step's window returned (the warm-up window's result
+    # is dropped), not a comparison of two clocks on a shared CPU: how a window turns its ops into
+    # busy and communication time is tests/monitoring/test_busy.py's (hand-made and real profiles).
+    assert len(windows) == 1 + len(profiled)
+    assert [(float(r["busy_ms"]), float(r["comm_ms"])) for r in rows if int(r["step"]) in profiled] == windows[1:]
     for r in rows:
-        if int(r["step"]) in profiled:  # op time inside the step: positive, at most the step's wall time
-            assert 0 < float(r["busy_ms"]) <= float(r["step_time_ms"]) and float(r["comm_ms"]) == 0
+        if int(r["step"]) in profiled:  # the step ran ops; one process runs no collective
+            assert float(r["busy_ms"]) > 0 and float(r["comm_ms"]) == 0
         else:
             assert r["busy_ms"] == r["comm_ms"] == "nan"
 
@@ -355,25 +376,23 @@ def test_distributed_fit_gathers_per_rank_rows(tmp_path, accelerator, devices):
 
 
 @pytest.mark.slow
-def test_busy_time_shows_imbalance_that_ddp_hides_from_step_times(tmp_path):
+def test_busy_time_of_every_rank_under_ddp(tmp_path):
     """2-process gloo DDP, same batches on both ranks, rank 1 does WORK_UNITS[1] / WORK_UNITS[0]
-    times rank 0's extra compute before the gradient all-reduce. DDP makes the ranks' step times
-    nearly equal (rank 0 waits in the all-reduce); busy time must show the difference. Busy time
-    is a measurement on a shared CPU, so the bounds are loose: busy CV above half the work's CV and
-    above the step-time CV across ranks; rank 1 busier than rank 0 on most profiled steps."""
+    times rank 0's extra compute before the gradient all-reduce, every step profiled: each rank's
+    busy and communication time reaches the per-rank CSV, and the logged busy metrics are those of
+    the CSV's rows. That busy time then shows the imbalance DDP hides from step times is measured
+    time on a shared CPU, so it is not asserted here: the arithmetic, with injected times, is
+    tests/monitoring/test_balance.py::test_busy_time_shows_imbalance_that_equal_step_times_hide,
+    and the measured comparison (this same run, with the bounds this test used to assert) is
+    benchmarks/e2e/busy_imbalance.py."""
     proc = subprocess.run([sys.executable, str(TESTS / "ddp_monitor_script.py"), str(tmp_path), "cpu", "2", "busy"],
                           capture_output=True, text=True, timeout=240, cwd=TESTS.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log_dir = tmp_path / "run" / "version_0"
     cols = per_rank_log.read_per_rank_csv(log_dir / CSV_NAME)
     assert cols["busy_ms"].shape == (BUSY_STEPS, 2) and np.isfinite(cols["busy_ms"]).all()  # every step profiled
+    assert (cols["busy_ms"] > 0).all()  # every rank ran ops on every step
     assert np.isfinite(cols["comm_ms"]).all() and (cols["comm_ms"] >= 0).all()
-    work_cv = _pcv(WORK_UNITS.values())
-    busy_cv = statistics.fmean(_pcv(row) for row in cols["busy_ms"])
-    step_cv = statistics.fmean(_pcv(row) for row in cols["step_time_ms"])
-    assert busy_cv > 0.5 * work_cv, (busy_cv, work_cv)
-    assert step_cv < busy_cv, (step_cv, busy_cv)
-    assert (cols["busy_ms"][:, 1] > cols["busy_ms"][:, 0]).mean() >= 0.75
     metrics = [m for m in _read_csv(log_dir / "metrics.csv") if m.get("balance/busy_cv")]
     assert len(metrics) == BUSY_STEPS  # logged every step, each step profiled
     for m, row in zip(metrics, cols["busy_ms"]):

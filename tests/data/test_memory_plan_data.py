@@ -9,9 +9,10 @@ import pytest
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
-from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, choose_batch_and_depth
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from tests.data.test_webdataset_stream import stream_dm
+from tests.helpers.depth_brute_force import best_batch_and_depth
 from tests.helpers.data import indexed_datamodule, tokens_ref, write_dataset
 
 L_BLOCKS = 3
@@ -41,9 +42,9 @@ def test_map_style_batches_follow_the_plan_and_long_samples_fit_or_are_counted(t
     dm.set_memory_plan(TIME, MEMORY, FITS_LONG, 0.85)
     assert dm.cost_model is TIME.base
     table = dm.bucket_table()
-    ref = choose_batch_and_depth(table.seq_len, MEMORY, TIME, device_memory_bytes=FITS_LONG, max_memory_fraction=0.85,
-                                 max_tokens=M_MEM)
-    assert table.batch_size.tolist() == ref.batch_size.tolist() and table.checkpointed.tolist() == ref.checkpointed.tolist()
+    # every bucket's best (B, k) by brute force over B <= max(1, M_MEM // S) and every k
+    ref = [best_batch_and_depth(int(s), MEMORY, TIME, 0.85 * FITS_LONG, M_MEM) for s in table.seq_len]
+    assert table.batch_size.tolist() == [b for b, _ in ref] and table.checkpointed.tolist() == [k for _, k in ref]
     assert {r["latent_shape"]: r["checkpointed"] for r in table.rows()}[LONG] == 2
     loader = dm.build_train_loader(1, 0)
     trained = check_batches(list(loader), table)
@@ -66,7 +67,9 @@ def test_map_style_batches_follow_the_plan_and_long_samples_fit_or_are_counted(t
     loader = dm.build_train_loader(1, 0)
     trained = check_batches(list(loader), dm.bucket_table())
     assert not long_keys & trained and loader.batch_sampler.stats["dropped_oversize"] == len(long_keys)
-    assert dm.bucket_table().max_seq_len == MEMORY.max_seq_len(1200) < tokens_ref(*LONG)
+    # the longest sample that fits 0.85 * NOT_LONG = 1200 bytes at B = 1, k = L, by the formula above:
+    # 1000 + 10 + S + 2 * S * 1 <= 1200, so S <= 63 (not MemoryModel.max_seq_len, which the plan calls)
+    assert dm.bucket_table().max_seq_len == 63 == MEMORY.max_seq_len(1200) < tokens_ref(*LONG)
 
     dm.set_cost_model(TIME.base)  # a new cost model drops the plan: no depth in the batches
     assert dm.memory_plan is None and CHECKPOINTED_BATCH_KEY not in next(iter(dm.build_train_loader(1, 0)))

@@ -173,7 +173,7 @@ def test_module_training_step_is_the_flow_matching_loss_of_its_batch():
 
 def test_module_returns_the_unscaled_loss_next_to_the_rescaled_one(monkeypatch):
     # Under several ranks the returned "loss" is rescaled by this rank's share of the global batch;
-    # callbacks that record the loss (benchmarks/e2e.py compares loss curves) need the unscaled one.
+    # callbacks that record the loss (benchmarks/e2e/e2e.py compares loss curves) need the unscaled one.
     monkeypatch.setattr("examples.video_dit.module.scale_loss_to_global_mean", lambda loss, count: loss * 0.25)
     torch.manual_seed(0)
     module = VideoDiTModule(in_channels=4, dim=48, num_layers=1, num_heads=4, ffn_dim=96, text_dim=24, freq_dim=32)

@@ -154,3 +154,53 @@ def test_peak_memory_per_interval_and_steps_over_the_budget():
     rows[:, :, COLUMN["peak_allocated_bytes"]] = rows[:, :, COLUMN["peak_reserved_bytes"]] = np.nan
     assert not any(key.startswith("memory/") for key in cpu.update(rows))
     assert "peak_allocated_bytes" not in cpu.summary()
+
+
+def test_busy_time_shows_imbalance_that_equal_step_times_hide():
+    """What the 2-process DDP busy test in tests/callbacks/test_monitor.py shows, with injected
+    times instead of times measured on a shared CPU (the measured comparison is the benchmark
+    benchmarks/e2e/busy_imbalance.py): under DDP every rank's step lasts as long as the slowest
+    rank's, so step times are equal across ranks, while each rank's profiled ops follow its work.
+    The op lists are what a rank's profiler window would hold (names as torch's, self times in us):
+    rank r does WORK[r] units of matrix products, and the faster ranks spend the difference inside
+    the gradient all-reduce. busy_and_comm_ms must split them into busy and communication, and
+    BalanceTracker must then report the work's imbalance in busy time and none in step time."""
+    from lightning_adaptiveload.monitoring.busy import busy_and_comm_ms
+
+    work = [1, 4, 2]  # units of extra compute per rank (RANKS ranks)
+    unit_us, common_us, steps = 3000.0, 500.0, 6
+    step_ms = 0.5 + max(work) * unit_us / 1e3 + 1.0  # the slowest rank's step, every rank's (DDP)
+    rows = np.zeros((steps, RANKS, len(FIELDS)))
+    rows[:, :, COLUMN["samples"]], rows[:, :, COLUMN["seq_len"]] = 2, 16
+    rows[:, :, COLUMN["tokens"]] = 32
+    rows[:, :, COLUMN["load"]] = 32 * 16**2  # the same batch on every rank: proxy load
+    rows[:, :, COLUMN["step_time_ms"]] = step_ms
+    rows[:, :, COLUMN["interval_ms"]] = step_ms + 0.25
+    rows[:, :, COLUMN["peak_allocated_bytes"]] = rows[:, :, COLUMN["peak_reserved_bytes"]] = np.nan
+    for i in range(steps):
+        for r, units in enumerate(work):
+            ops = ([("aten::addmm", common_us), ("aten::mse_loss_backward", 250.0)]
+                   + [("aten::mm", unit_us / 2), ("aten::tanh", unit_us / 2)] * units
+                   # the wait for the slowest rank, inside the collective's op
+                   + [("c10d::allreduce_", 40.0 + (max(work) - units) * unit_us)])
+            rows[i, r, COLUMN["busy_ms"]], rows[i, r, COLUMN["comm_ms"]] = busy_and_comm_ms(ops)
+    # the split, written out: every non-collective op is busy, the all-reduce is communication
+    for r, units in enumerate(work):
+        assert rows[0, r, COLUMN["busy_ms"]] == pytest.approx((common_us + 250.0 + units * unit_us) / 1e3, rel=1e-12)
+        assert rows[0, r, COLUMN["comm_ms"]] == pytest.approx((40.0 + (max(work) - units) * unit_us) / 1e3, rel=1e-12)
+
+    got = BalanceTracker(RANKS, window=WINDOW, load_unit="tokens^2 (proxy)").update(rows)
+    busy = [float(v) for v in rows[0, :, COLUMN["busy_ms"]]]
+    assert got["balance/step_time_cv"] == 0.0  # DDP's equal step times: no imbalance visible
+    assert got["balance/busy_cv"] == pytest.approx(_cv(busy), rel=1e-12)
+    # the busy CV is the work's, diluted only by the ops every rank runs alike (fp64 formula)
+    common_ms = (common_us + 250.0) / 1e3
+    assert got["balance/busy_cv"] == pytest.approx(
+        statistics.pstdev(work) * unit_us / 1e3 / (common_ms + statistics.fmean(work) * unit_us / 1e3), rel=1e-12)
+    assert got["balance/busy_cv"] > 0.5 * _cv(work) > got["balance/step_time_cv"]
+    assert got["balance/busy_max_over_mean"] == pytest.approx(max(busy) / statistics.fmean(busy), rel=1e-12)
+    for r in range(RANKS):
+        assert got[f"rank{r}/busy_ms"] == pytest.approx(busy[r], rel=1e-12)
+        assert got[f"rank{r}/step_time_ms"] == step_ms
+    # the busiest rank is the one with the most work, on every step
+    assert (rows[:, :, COLUMN["busy_ms"]].argmax(axis=1) == int(np.argmax(work))).all()

@@ -1,16 +1,18 @@
 """MemoryPlan through the scheduling core: the longest sample a device fits, the bucket table's (B, k)
-and predicted peaks, the sampler's balanced order at each bucket's depth and its resume check, the
-streaming schedule, and MemoryModel.max_seq_len against a brute-force search."""
+(against a brute-force search over every B and k) and predicted peaks, the sampler's balanced order at
+each bucket's depth and its resume check, the streaming schedule, and MemoryModel.max_seq_len against
+a brute-force search."""
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.buckets import NO_DEPTH, BucketTable, schedule_keys
-from lightning_adaptiveload.scheduling.depth_choice import BucketDepthCosts, MemoryPlan, choose_batch_and_depth
+from lightning_adaptiveload.scheduling.depth_choice import BucketDepthCosts, MemoryPlan
 from lightning_adaptiveload.scheduling.memory_model import NO_BOUND, MemoryModel
 from lightning_adaptiveload.scheduling.policies import dual_constraint_batch_size, token_equal_batch_size
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.stream_batcher import make_stream_schedule
 from lightning_adaptiveload.scheduling.shapes import ShapeMix
+from tests.helpers.depth_brute_force import best_batch_and_depth
 from tests.scheduling.test_depth_choice import random_models
 
 
@@ -62,11 +64,12 @@ def test_bucket_table_under_a_memory_plan(seed, policy):
     assert table.seq_len.tolist() == tokens[kept].tolist() and table.samples.tolist() == counts[kept].tolist()
     memory, cost = plan.memory_model, plan.cost_model
     if policy == "balanced":  # the plan's choice, token cap m_mem; samples over m_mem at B = 1
-        ref = choose_batch_and_depth(table.seq_len, memory, cost, device_memory_bytes=plan.device_memory_bytes,
-                                     max_memory_fraction=0.9, max_tokens=m_mem)
-        assert ref.fits.all()
-        assert table.batch_size.tolist() == ref.batch_size.tolist()
-        assert table.checkpointed.tolist() == ref.checkpointed.tolist()
+        # the best (B, k) of every bucket by brute force (not choose_batch_and_depth, which builds the table)
+        ref = [best_batch_and_depth(int(s), memory, cost, 0.9 * plan.device_memory_bytes, m_mem)
+               for s in table.seq_len]
+        assert None not in ref  # every kept bucket fits some (B, k)
+        assert table.batch_size.tolist() == [b for b, _ in ref]
+        assert table.checkpointed.tolist() == [k for _, k in ref]
         assert np.all(table.batch_size[table.seq_len > m_mem] == 1)
         assert np.all(table.peak_bytes <= plan.budget_bytes) and table.m_comp is None and table.p is None
     else:  # token budgets, every block checkpointed
@@ -148,10 +151,12 @@ def test_stream_schedule_follows_the_plan_also_for_unlisted_buckets():
     assert schedule.max_seq_len == plan.max_seq_len
     listed = [int(s) for s in tokens if s <= plan.max_seq_len]
     unlisted = listed[0] + 1
-    ref = plan.choose(np.array(listed + [unlisted]), max_tokens=65536)
-    assert [schedule.batch_size(s) for s in listed + [unlisted]] == ref.batch_size.tolist()
+    # the best (B, k) by brute force, not by the plan.choose the schedule calls
+    ref = [best_batch_and_depth(s, plan.memory_model, plan.cost_model, plan.budget_bytes, 65536)
+           for s in listed + [unlisted]]
+    assert [schedule.batch_size(s) for s in listed + [unlisted]] == [b for b, _ in ref]
     # a listed bucket is priced at its depth, an unlisted one at k = L (what it runs at: no depth in its batches)
-    assert schedule.cost_model.checkpointed_at(np.array([listed[0], unlisted])).tolist() == [ref.checkpointed[0], 5]
+    assert schedule.cost_model.checkpointed_at(np.array([listed[0], unlisted])).tolist() == [ref[0][1], 5]
 
 
 def test_schedule_keys_stay_the_table_keys_under_a_plan():

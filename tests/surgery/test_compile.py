@@ -125,7 +125,7 @@ DYNAMIC_SHAPES = [(2, (1, 3, 4)), (3, (2, 2, 3)), (1, (2, 3, 3))]
 @pytest.mark.parametrize("case", list(BLOCKS))
 def test_fused_block_compiles_dynamic_over_shapes_without_graph_breaks(case):
     """`block.compile(dynamic=True)` over several batch sizes and sequence lengths, as
-    benchmarks/compile.py's dynamic+surgery mode does: no graph break, the fused op in every graph,
+    benchmarks/e2e/compile.py's dynamic+surgery mode does: no graph break, the fused op in every graph,
     and eager's outputs and gradients at each shape. At the batch of 1, dynamo of torch 2.11 and 2.13
     misjudged the modulation-shape check (`tuple(shift.shape) in (...)`), so the fused forward
     took its eager fallback there and its warning broke the graph (2 breaks on the H200 run)."""

@@ -22,8 +22,8 @@ with the binary cache off (`cache=False`, `index_cache=False`), and for this che
 for this checkout and, with `--baseline <commit>`, for that commit's package (`git archive`), so
 the table compares the columnar index with the list of dicts it replaced.
 
-    python benchmarks/index_load.py --baseline 39cb5d7          # 1M lines
-    python benchmarks/index_load.py --lines 100000 --out /tmp/x.json
+    python benchmarks/data/index_load.py --baseline 39cb5d7          # 1M lines
+    python benchmarks/data/index_load.py --lines 100000 --out /tmp/x.json
 
 Prints a table and writes benchmarks/results/index_load.json.
 """
@@ -43,7 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+# The repository root, put on sys.path by the driver only (main, after the child branch): a measured
+# child imports the package its PYTHONPATH names (this checkout's or a baseline commit's), so this
+# script must not put the checkout first there (see benchmarks/_meta.py).
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 PHASES = ("read", "setup", "worker")
 CACHE_PHASES = ("hash", "cache_write", "cached", "cached_setup")  # this checkout only, in this order
@@ -193,7 +196,8 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from _meta import run_meta, write_result  # imports the package: only here, not in the measured children
+    sys.path.insert(0, str(REPO))  # the repository root: only here, not in the measured children
+    from benchmarks._meta import run_meta, write_result  # imports the package
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "data").mkdir()

@@ -10,15 +10,12 @@ Shapes: the (B, S) grid of --grid (default the shipped H200 curve), then for eve
 --m-mems the dual-constraint schedule of --mix (M_comp = CostModel.m_comp with S_ref = longest
 bucket, p from the power form fitted to --grid), then the grid again in reverse order.
 
-    python benchmarks/cost_model_fit_measure.py --out-dir benchmarks/results   # on a CUDA GPU
-    python benchmarks/cost_model_fit_measure.py --dry-run                      # list shapes only
+    python benchmarks/scheduling/cost_model_fit_measure.py --out-dir benchmarks/results   # on a CUDA GPU
+    python benchmarks/scheduling/cost_model_fit_measure.py --dry-run                      # list shapes only
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -26,14 +23,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock, rope_3d  # noqa: E402
-
 from lightning_adaptiveload.scheduling.cost_model import CostModel, read_measurements  # noqa: E402
 from lightning_adaptiveload.scheduling.policies import batch_sizes  # noqa: E402
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / "lightning_adaptiveload" / "data"
+DATA = REPO / "lightning_adaptiveload" / "data"
 
 
 def scheduled_pairs(mix_path: str, m_mems: list[int], p_model: CostModel) -> list[tuple[int, int, int]]:
@@ -117,17 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         times[(kind, m_mem, b, s)] = step_time_ms(blocks, b, s, args.text_tokens, generator)
         tqdm.write(f"{kind} m_mem={m_mem} B={b} S={s}: {times[(kind, m_mem, b, s)][0]:.3f} ms")
 
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     common = {
+        **run_meta("cost_model_fit_measure", argv),
         "description": f"Forward+backward time of {args.blocks} Wan-2.1 DiTBlocks (examples/video_dit, D={args.dim}, "
                        f"{args.heads} heads, FFN {args.ffn_dim}, {args.text_tokens} text tokens, bf16, eager, SDPA), "
                        "median of triton do_bench.",
         "model": {"dim": args.dim, "heads": args.heads, "ffn_dim": args.ffn_dim, "text_tokens": args.text_tokens,
                   "blocks": args.blocks, "dtype": "bfloat16"},
-        "device": torch.cuda.get_device_name(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda},
-        "date": now,
-        "command": "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
     }
     grid_rows = [{"batch_size": b, "seq_len": s, "time_ms": times[("grid", None, b, s)][0],
                   "time_ms_repeat": times[("grid_repeat", None, b, s)][0],
@@ -138,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("grid", grid_rows), ("schedule", sched_rows)):
         path = out / f"cost_model_fit_{args.tag}_{name}.json"
-        path.write_text(json.dumps({**common, "set": name, "measurements": rows}, indent=1) + "\n")
-        print(f"wrote {path}")
+        write_result(path, {**common, "set": name, "measurements": rows})
     rel = [abs(r["time_ms_repeat"] - r["time_ms"]) / r["time_ms"] for r in grid_rows]
     print(f"run-to-run: mean |t2 - t1| / t1 = {100 * np.mean(rel):.2f}%, max {100 * np.max(rel):.2f}%")
     print(f"{'B':>5} {'S':>6} {'ms':>9} {'repeat':>9} {'GiB':>6}")

@@ -1,6 +1,6 @@
 """What keeping every sample costs: balanced with drop_last True against False (simulation).
 
-    python benchmarks/drop_last.py --out benchmarks/results/drop_last.json
+    python benchmarks/scheduling/drop_last.py --out benchmarks/results/drop_last.json
 
 For datasets of --samples samples drawn from the reference mix (seeded) and --world-sizes ranks, one
 epoch of the balanced policy's real plan, each batch priced by the shipped H200 cost curve
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.scheduling.cost_model import load_cost_model  # noqa: E402
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{k['predicted_tokens_per_s']:>13.0f} {k['load_cv_mean']:>9.2%} | "
                      f"{k['predicted_tokens_per_s'] / d['predicted_tokens_per_s']:>15.3f}")
     print("\n".join(lines))
-    write_result(args.out, {**run_meta("drop_last"), "args": vars(args), "rows": rows})
+    write_result(args.out, {**run_meta("drop_last", argv), "args": vars(args), "rows": rows})
     _plot(rows, Path(args.out).with_suffix(".png"))
     return 0
 

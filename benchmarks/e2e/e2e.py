@@ -2,8 +2,8 @@
 
 One configuration per process (Lightning's launcher re-runs this script for every rank):
 
-    python benchmarks/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 400] [--devices 2]
-    python benchmarks/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e/e2e_2xh200.json
+    python benchmarks/e2e/e2e.py run --config balanced --workdir runs/e2e [--layers 8] [--samples 400] [--devices 2]
+    python benchmarks/e2e/e2e.py report --workdir runs/e2e --out benchmarks/results/e2e/e2e_2xh200.json
 
 `run` trains the example Wan-2.1-1.3B-shaped DiT (D=1536, 12 heads, FFN 8960, text 512x4096;
 `--layers` of its 30 blocks, to fit the benchmark budget) for one epoch over the same synthetic
@@ -25,9 +25,7 @@ time (the paper's measure; policies drop different samples, so samples/s is a po
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,7 +37,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples.* from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, FusedAdaLNSurgery, LoadBalanceMonitor  # noqa: E402
@@ -139,9 +138,9 @@ def run(args: argparse.Namespace) -> None:
                          f"first (no {balanced_log_dir / 'calibration_cost_model.json'})")
     if policy == "dual_constraint" and same_plan_as_token_equal(args, work):
         # Identical batches in identical order: a second run would only measure run-to-run noise.
-        (work / f"{args.config}.json").write_text(json.dumps({
-            "config": args.config, "policy": policy, "same_plan_as": "token_equal",
-            "command": "python " + " ".join(sys.argv)}, indent=1))
+        write_result(work / f"{args.config}.json", {
+            **run_meta("e2e run"), "config": args.config, "policy": policy, "same_plan_as": "token_equal"},
+            announce=False)
         print(f"e2e {args.config}: same epoch plan as token_equal under its calibrated cost model; not re-run")
         return
     L.seed_everything(0)
@@ -173,6 +172,7 @@ def run(args: argparse.Namespace) -> None:
     if trainer.global_rank != 0:
         return
     result = {
+        **run_meta("e2e run"),
         "config": args.config, "policy": policy, "fused_adaln": fused, "layers": args.layers, "devices": args.devices,
         "scale": args.scale, "m_mem": sc["m_mem"], "samples_in_shards": args.samples,
         "epoch_wall_s": recorder.epoch_s, "fit_wall_s": fit_s, "peak_mem_gib_per_rank": recorder.peak_gib,
@@ -180,14 +180,9 @@ def run(args: argparse.Namespace) -> None:
         "monitor_summary": monitor.summary,
         "losses_rank0": recorder.losses, "samples_rank0": recorder.samples,
         "log_dir": trainer.logger.log_dir,
-        "versions": {"torch": torch.__version__, "lightning": L.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
-        "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or "cpu",
         "gpus": torch.cuda.device_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
     }
-    (work / f"{args.config}.json").write_text(json.dumps(result, indent=1))
+    write_result(work / f"{args.config}.json", result, announce=False)
     print(f"e2e {args.config}: epoch {recorder.epoch_s:.1f} s")
 
 
@@ -352,19 +347,21 @@ def report(args: argparse.Namespace) -> None:
                 r[f"batch_loss_max_rel_diff_vs_{twin}"] = float(np.max(np.abs(a - b) / np.abs(b)))
 
     model = CostModel.from_json(Path(runs["token_equal"]["log_dir"]) / "calibration_cost_model.json")
-    mix = read_shapes_jsonl(Path(__file__).resolve().parents[1] / "lightning_adaptiveload/data/reference_mix.jsonl")
+    mix = read_shapes_jsonl(REPO / "lightning_adaptiveload/data/reference_mix.jsonl")
     m_mem = runs["token_equal"]["m_mem"]
     simulated = [simulate(mix, model, m_mem=m_mem, world_size=w, policy=p, steps=1000, seed=0)
                  for w in sorted({runs["token_equal"]["devices"], 8, 16, 64})
                  for p in ("token_equal", "dual_constraint", "balanced")]
-    doc = {"benchmark": "e2e", "runs": rows, "simulated_with_calibrated_cost_model": simulated,
+    meta = run_meta("e2e")
+    doc = {**meta, "runs": rows, "simulated_with_calibrated_cost_model": simulated,
            "simulator_check": simulator_check(rows, simulated, runs["token_equal"]["devices"]),
            "paper": {"throughput_8gpu_tokens_per_s": [14383, 18069], "throughput_16gpu_tokens_per_s": [30170, 38372],
                      "compute_load_cv": [0.39, 0.189], "step_time_cv_16gpu": [0.187, 0.104]},
            "meta": {k: runs["token_equal"][k] for k in ("versions", "device", "devices", "date", "layers", "m_mem",
                                                          "scale", "samples_in_shards")},
-           "commands": [r["command"] for r in found.values()] + ["python " + " ".join(sys.argv)]}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+           # each run's own command (its file has its header), then this report's
+           "commands": [r["command"] for r in found.values()] + [meta["command"]]}
+    write_result(args.out, doc)
     for s in simulated:
         print(f"simulated {s['policy']:>16} x{s['world_size']:<3} load CV {s['load_cv_mean']:.3f} "
               f"tokens/s {s['predicted_tokens_per_s']:.0f}")

@@ -1,6 +1,6 @@
 """Time and memory of planning one epoch of a 10M-sample dataset with BucketBatchSampler.
 
-    python benchmarks/sampler_plan.py [--samples 10000000] [--world-size 16]
+    python benchmarks/scheduling/sampler_plan.py [--samples 10000000] [--world-size 16]
 
 Per policy: seconds to build the sampler (bucketing), to plan the epoch, and to re-plan after a
 mid-epoch resume on another world size; peak traced allocations (tracemalloc: numpy arrays) of
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
 import tracemalloc
 from importlib.resources import files
@@ -20,13 +21,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from _meta import run_meta, write_result
-from lightning_adaptiveload.scheduling.cost_model import load_cost_model
-from lightning_adaptiveload.scheduling.policies import POLICIES
-from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
-from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
-
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model  # noqa: E402
+from lightning_adaptiveload.scheduling.policies import POLICIES  # noqa: E402
+from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
 GIB = 1 << 30
 
 

@@ -6,34 +6,31 @@ dual-constraint rule (M_comp from CostModel.m_comp with S_ref = longest bucket):
   exact: measured points whose (B, S) equals a scheduled (B, S) pair;
   near:  measured points within a factor 2 in B and in S of some scheduled pair.
 With --validate, also on a second measurements file the models never saw (e.g. the scheduled
-shapes measured by benchmarks/cost_model_fit_measure.py in the same session as the curve).
+shapes measured by benchmarks/scheduling/cost_model_fit_measure.py in the same session as the curve).
 
-    python benchmarks/cost_model_fit.py  # H200 curve and reference mix shipped with the package
-    python benchmarks/cost_model_fit.py --curve benchmarks/results/cost_model_fit_h200_grid.json \
+    python benchmarks/scheduling/cost_model_fit.py  # H200 curve and reference mix shipped with the package
+    python benchmarks/scheduling/cost_model_fit.py --curve benchmarks/results/cost_model_fit_h200_grid.json \
         --validate benchmarks/results/cost_model_fit_h200_schedule.json \
         --out benchmarks/results/cost_model_fit_h200.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
 import numpy as np
 import scipy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
-import lightning_adaptiveload  # noqa: E402
-from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, read_measurements
-from lightning_adaptiveload.calibration.plot import plot_fit
-from lightning_adaptiveload.scheduling.policies import batch_sizes
-from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.calibration.plot import plot_fit  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import FORMS, CostModel, read_measurements  # noqa: E402
+from lightning_adaptiveload.scheduling.policies import batch_sizes  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
 
-DATA = Path(lightning_adaptiveload.__file__).parent / "data"
-RESULTS = Path(__file__).parent / "results"
+DATA = REPO / "lightning_adaptiveload" / "data"
 
 
 def near_schedule(b: np.ndarray, s: np.ndarray, sched_b: np.ndarray, sched_s: np.ndarray,
@@ -142,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         pngs["validation"] = png.name
     curve_doc = json.loads(Path(args.curve).read_text())
     result = {
-        "benchmark": "cost_model_fit",
-        "command": "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv)),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": {"kind": "CPU host (fitting only; the curve was measured on the device below)",
-                   "platform": platform.platform(), "processor": platform.processor() or platform.machine()},
-        "versions": {"python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
-                     "lightning_adaptiveload": lightning_adaptiveload.__version__},
+        **run_meta("cost_model_fit", argv, scipy=scipy.__version__),
+        "device_note": "the fit runs on the host named in device; the curve was measured on curve.device",
         "curve": {"path": args.curve, "device": curve_doc.get("device"), "points": len(t)},
         "validate": args.validate,
         "run_to_run": run_to_run,
@@ -165,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": schedule,
         "plots": pngs,
     }
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result, announce=False)
     print(f"\nwrote {out} and {', '.join(pngs.values())}")
     return 0
 

@@ -13,38 +13,32 @@ step and how much longer a profiled step runs than unprofiled steps of the same 
 profiler records every op). Their sum over the default period of steps is the default sampling's
 busy-time overhead. As a cross-check: training wall time per step with vs without the monitor.
 
-    python benchmarks/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
-    python benchmarks/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
+    python benchmarks/e2e/monitor_overhead.py          # CPU, tiny DiT, writes results/monitor_overhead.json
+    python benchmarks/e2e/monitor_overhead.py --preset h200 --out benchmarks/results/monitor_overhead_h200.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import lightning
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # for examples/
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import LoadBalanceMonitor  # noqa: E402
 from lightning_adaptiveload.callbacks.monitor import DEFAULT_BUSY_EVERY_N_LOGS  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 # Per preset: model size, precision, accelerator and the (B, T, H, W) latent shapes (16 channels)
 # cycled through; tokens per sample = T * H/2 * W/2 (cpu: 64 ... 512, h200: 1024 ... 8192).
 PRESETS = {
@@ -226,24 +220,14 @@ def main() -> int:
                   f"{100 * e['default_sampling_overhead_frac']:.2f}% of training time")
 
     preset = PRESETS[args.preset]
-    device = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if preset["accelerator"] == "gpu"
-              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)")
     doc = {
-        "benchmark": "monitor_overhead",
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "lightning": lightning.__version__, "numpy": np.__version__},
+        **run_meta("monitor_overhead"),
         "preset": args.preset, "model": {"class": "examples VideoDiTModule", **preset["model"]},
         "precision": preset["precision"], "shapes_BTHW": preset["shapes"], "steps": args.steps,
         "warmup_steps_excluded_from_wall": WARMUP_STEPS, "default_busy_every_n_logs": DEFAULT_BUSY_EVERY_N_LOGS,
         "repeats": args.repeats, "table": table,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"wrote {out}")
+    write_result(args.out, doc)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The shipped GPU config as a user runs it, against its baseline, on the same samples (one GPU).
 
-    python benchmarks/shipped_config.py --runs baseline,compiled --out part1.json        # one H200
-    python benchmarks/shipped_config.py --combine part1.json part2.json --out benchmarks/results/shipped_config_h200.json
-    python benchmarks/shipped_config.py --tiny --runs baseline,eager --out /tmp/shipped_cpu.json   # CPU smoke run
+    python benchmarks/e2e/shipped_config.py --runs baseline,compiled --out part1.json        # one H200
+    python benchmarks/e2e/shipped_config.py --combine part1.json part2.json --out benchmarks/results/shipped_config_h200.json
+    python benchmarks/e2e/shipped_config.py --tiny --runs baseline,eager --out /tmp/shipped_cpu.json   # CPU smoke run
 
 Each run is `adaptiveload fit --config ...` in a fresh process with `--trainer.devices 1`, one epoch
 (`max_epochs 1`, no step limit) over the same `--samples` synthetic samples of the reference mix
@@ -39,9 +39,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks._meta import run_meta, write_result  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 
 RUNS = {
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         parts = [json.loads(Path(p).read_text()) for p in args.combine]
         runs = {name: run for part in parts for name, run in part["runs"].items()}
-        doc = {**run_meta("shipped_config"), "combined_from": [{"file": p, "command": part["command"], "date": part["date"],
+        doc = {**run_meta("shipped_config", argv), "combined_from": [{"file": p, "command": part["command"], "date": part["date"],
                                                                "git_commit": part["git_commit"]}
                                                               for p, part in zip(args.combine, parts)],
                "args": parts[0]["args"], "runs": runs, "comparison": compare(runs)}
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir = Path(args.workdir) / name / "logs" / "version_0"
             run["result"] = summarize_run(log_dir) if (log_dir / CSV_NAME).exists() and run["exit"] == 0 else None
             runs[name] = run
-        doc = {**run_meta("shipped_config"), "args": vars(args), "runs": runs, "comparison": compare(runs)}
+        doc = {**run_meta("shipped_config", argv), "args": vars(args), "runs": runs, "comparison": compare(runs)}
     print(table(doc["runs"], doc["comparison"]))
     write_result(args.out, doc)
     plot(doc["runs"], Path(args.out).with_suffix(".png"))

@@ -33,13 +33,12 @@ synchronization inside the timed calls, few enough calls that the launch queue n
 host gaps: pure GPU time), `wall_fwd_bwd_us` = back-to-back calls with a final synchronize, per
 call. wall ~= gpu means the GPU is the limit; wall ~= host means the host is.
 
-    python benchmarks/adaln_host.py                       # CPU: benchmarks/results/adaln_host_cpu.json
-    python benchmarks/adaln_host.py --device cuda         # GPU: benchmarks/results/adaln_host_gpu.json
+    python benchmarks/kernel/adaln_host.py                       # CPU: benchmarks/results/adaln_host_cpu.json
+    python benchmarks/kernel/adaln_host.py --device cuda         # GPU: benchmarks/results/adaln_host_gpu.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -49,8 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _meta import run_meta  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 
 from lightning_adaptiveload import ops  # noqa: E402
 from lightning_adaptiveload.ops import adaln  # noqa: E402
@@ -347,20 +346,18 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"the fused kernels are not active ({backend}); build the extension first (adaptiveload build-ext)")
         rows = gpu_rows(calls, args.repeats, GPU_SHAPES)
         print_gpu(rows)
-        meta = run_meta("adaln_host") | {"description": __doc__.strip().splitlines()[0], "backend": backend}
+        meta = run_meta("adaln_host", argv) | {"description": __doc__.strip().splitlines()[0], "backend": backend}
     else:
         rows = cpu_rows(calls, args.repeats)
         print_cpu(rows)
-        meta = {"description": __doc__.strip().splitlines()[0], **run_meta("adaln_host"), "backend": ops.backend(),
+        meta = {"description": __doc__.strip().splitlines()[0], **run_meta("adaln_host", argv), "backend": ops.backend(),
                 "note": "CPU, 1 thread; the op layer measured with tiny tensors (and no-op kernels where named)"}
-    out = args.out or Path(f"benchmarks/results/adaln_host_{'gpu' if gpu else 'cpu'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / f"adaln_host_{'gpu' if gpu else 'cpu'}.json"
     meta["timing"] = (f"host: best of {args.repeats} averages over {min(calls, GPU_QUEUED_CALLS)} calls (marginal: "
                       f"over chains of {CHAIN} and {2 * CHAIN} ops), time.perf_counter; wall: {calls} calls"
                       if gpu else f"best of {args.repeats} averages over {calls} calls, time.perf_counter")
     meta["definitions"] = __doc__
-    out.write_text(json.dumps(meta | {"rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_result(out, meta | {"rows": rows})
     return 0
 
 

@@ -17,7 +17,7 @@ Per variant (eager, then the same model after apply_fused_adaln):
 Gradient checkpointing stays off unless the eager reference step runs out of memory (then it is
 turned on for both variants and the JSON says so).
 
-    python benchmarks/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
+    python benchmarks/kernel/surgery.py --out benchmarks/results/surgery_h200.json     # H200, ~3 min
 
 `--host` (CPU, no GPU needed) measures what surgery costs on the host instead, for the fingerprinted
 patterns and the idiom recogniser: the time of `apply_fused_adaln` on Wan-1.3B-shaped models of 2
@@ -26,21 +26,19 @@ block forward/backward spends around the op, at a shape small enough that the op
 negligible (example block, D = 64, 4 tokens, one thread; the variants interleaved round by round,
 medians, and the idiom-minus-pattern overhead as the median of paired per-round differences).
 
-    python benchmarks/surgery.py --host --out benchmarks/results/surgery_host_cpu.json   # ~2 min
+    python benchmarks/kernel/surgery.py --host --out benchmarks/results/surgery_host_cpu.json   # ~2 min
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import run_meta, write_result  # noqa: E402
 from lightning_adaptiveload import ops  # noqa: E402
 from lightning_adaptiveload.surgery import apply_fused_adaln  # noqa: E402
 
@@ -175,7 +173,6 @@ def host_costs(args: argparse.Namespace) -> None:
     import diffusers
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
-    from benchmarks._meta import run_meta
     from examples.video_dit import surgery as video_dit
     from examples.video_dit.model import DiTConfig, VideoDiT, rope_3d
 
@@ -246,9 +243,7 @@ def host_costs(args: argparse.Namespace) -> None:
            "per_call_ms_median": per_call, "calls_per_round": args.host_calls, "rounds": args.host_rounds,
            "idiom_minus_pattern_us_per_site": overhead_us,
            "per_call_shape": {"x": [1, 4, dim], "adaln_sites_per_block": 2}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_result(args.out, out)
 
 
 def main() -> None:
@@ -269,7 +264,7 @@ def main() -> None:
     if args.host:
         return host_costs(args)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/surgery.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel/surgery.py needs a CUDA GPU")
     import diffusers
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
@@ -312,13 +307,9 @@ def main() -> None:
     print("targets: " + ", ".join(f"{k} {TARGETS[k]:+.0%}: {'met' if ok else 'NOT met'}" for k, ok in met.items()))
 
     out = {
-        "benchmark": "fused AdaLN surgery, diffusers WanTransformer3DModel (Wan 2.1 1.3B config, random weights)",
-        "device": torch.cuda.get_device_name(0),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
-                     "python": platform.python_version()},
+        **run_meta("fused AdaLN surgery, diffusers WanTransformer3DModel (Wan 2.1 1.3B config, random weights)",
+                   diffusers=diffusers.__version__),
         "op_backend": ops.backend(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
         "config": {**WAN_1P3B, "latent": [args.frames, args.height, args.width], "tokens": ref_tokens,
                    "text_tokens": args.text_tokens, "dtype": "bf16 parameters and activations", "batch_size": 1,
                    "warmup": args.warmup, "steps": args.steps, "gradient_checkpointing": checkpointing},
@@ -331,8 +322,7 @@ def main() -> None:
         "targets": TARGETS,
         "targets_met": met,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_result(args.out, out, announce=False)
     plot(results, budget, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

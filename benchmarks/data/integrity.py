@@ -23,8 +23,8 @@ and on `--keys` synthetic keys ("sample%09d", default 1M):
   unique_keys     the duplicate-key check of an index parse: hash every key, sort, compare
                   equal hashes (parsing the same lines takes about 9 s per million)
 
-    python benchmarks/integrity.py                     # defaults below
-    python benchmarks/integrity.py --n 512 --keys 100000 --out /tmp/x.json
+    python benchmarks/data/integrity.py                     # defaults below
+    python benchmarks/data/integrity.py --n 512 --keys 100000 --out /tmp/x.json
 
 Prints a table and writes benchmarks/results/integrity.json.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -40,16 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-from _meta import run_meta, write_result
-from lightning_adaptiveload.data.datamodule import REFERENCE_MIX
-from lightning_adaptiveload.data.index import (SampleIndex, _check_unique_keys, build_index, check_shards,
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.data.datamodule import REFERENCE_MIX  # noqa: E402
+from lightning_adaptiveload.data.index import (SampleIndex, _check_unique_keys, build_index, check_shards,  # noqa: E402
                                                index_fingerprint, member_table_sha256, read_index, read_members,
                                                scan_shard)
-from lightning_adaptiveload.data.shards import decode_sample, write_synthetic_shards
-from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from lightning_adaptiveload.data.shards import decode_sample, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl  # noqa: E402
 
 
 def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:

@@ -1,13 +1,13 @@
 """Simulated: token_equal with every block checkpointed, balanced with every block checkpointed, and
 balanced with per-bucket (B, k) from the memory plan, on the reference mix at 8, 16 and 64 ranks.
 
-    python benchmarks/memory_policies.py [--steps 2000] [--out benchmarks/results/memory_policies.json]
+    python benchmarks/scheduling/memory_policies.py [--steps 2000] [--out benchmarks/results/memory_policies.json]
 
 Models: fitted to the shipped H200 activation-checkpointing measurements
 (lightning_adaptiveload/data/h200_ac_measurements.json: the example Wan-1.3B-shaped DiT, 30 blocks,
 one H200): `MemoryModel` peak(B, S, k) and `DepthCostModel` t(B, S, k) (its base: the cost model at
 k = 30). Step times are the models' predictions, so this says what the plan is worth if the models
-hold; the GPU benchmark (benchmarks/memory_plan.py) measures it. Every policy gets m_mem = 65,536
+hold; the GPU benchmark (benchmarks/scheduling/memory_plan.py) measures it. Every policy gets m_mem = 65,536
 tokens as its token budget; token_equal and balanced drop the samples longer than it (the 81-frame
 720p ones, 8% of the mix), the plan keeps every sample that fits the device at B = 1; the last
 configuration runs the plan on the token budget's samples only, so its gain is the depths' alone
@@ -22,11 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from _meta import run_meta, write_result  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel  # noqa: E402
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan  # noqa: E402
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel  # noqa: E402
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-memory-gib", type=float, default=139.8, help="one H200 as torch reports it")
     parser.add_argument("--max-memory-fraction", type=float, default=0.85)
     parser.add_argument("--world-sizes", default="8,16,64")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "memory_policies.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory_policies.json")
     args = parser.parse_args(argv)
     memory, depth, data = fit_models(DATA / "h200_ac_measurements.json")
     plan = MemoryPlan(memory, depth, args.device_memory_gib * 2**30, args.max_memory_fraction)
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['world_size']:>5}  {r['config']:<34} {100 * r['load_cv']:>7.2f}% {r['load_max_over_mean']:>8.3f} "
               f"{100 * r['bubble_frac']:>6.2f}% {r['predicted_tokens_per_s']:>10.0f} {r['vs_token_equal']:>5.2f}x "
               f"{100 * r['mix_trained_frac']:>10.1f}%")
-    doc = run_meta("memory_policies") | {
+    doc = run_meta("memory_policies", argv) | {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data": data["source"],
         "memory_model": memory.to_dict(), "depth_cost_model": depth.to_dict(),

@@ -3,11 +3,11 @@
 Each variant is a csrc/ tree (LABEL=DIR), JIT-built under its own name (all builds in parallel),
 then, one variant at a time in its own process (a crashing variant cannot take the others down):
 checked against the fp32 reference (relative error of y, dx, dshift, dscale; bf16 bound 1e-2) and
-timed on benchmarks/adaln.py's shapes, forward and backward kernels called directly (no autograd),
-as CUDA-graph GPU time in ms, beside the copy floor. benchmarks/adaln.py then measures the
+timed on benchmarks/kernel/adaln.py's shapes, forward and backward kernels called directly (no autograd),
+as CUDA-graph GPU time in ms, beside the copy floor. benchmarks/kernel/adaln.py then measures the
 adopted kernel against PyTorch.
 
-    python benchmarks/adaln_variants.py --variant main=csrc --variant staged=/tmp/staged/csrc \\
+    python benchmarks/kernel/adaln_variants.py --variant main=csrc --variant staged=/tmp/staged/csrc \\
         --out benchmarks/results/kernel_variants/sweep_h200.json
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _meta import run_meta  # noqa: E402
-from adaln import EPS, SHAPES, time_graph_ms, time_ms  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import run_meta, write_result  # noqa: E402
+from benchmarks.kernel.adaln import EPS, SHAPES, time_graph_ms, time_ms  # noqa: E402
 
 from lightning_adaptiveload.ops.extension import jit_build  # noqa: E402
 from lightning_adaptiveload.ops.reference import adaln_bwd_reference, adaln_fwd_reference  # noqa: E402
@@ -135,14 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[label]["error"] = f"worker exited {done.returncode}"
     print_table(results)
     meta = {
-        **run_meta("adaln_variants"),
+        **run_meta("adaln_variants", argv),
         "description": __doc__.strip().splitlines()[0],
         "archs": os.environ.get("ADAPTIVELOAD_CUDA_ARCHS", "build_flags.json"),
         "timing": "CUDA graph of 10 calls, median of 15 replays; floor: do_bench median of a copy of x",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**meta, "shapes": SHAPES, "variants": results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {**meta, "shapes": SHAPES, "variants": results})
     ok = all(r.get("rows") and all(row["correct"] for row in r["rows"]) for r in results.values())
     return 0 if ok else 1
 

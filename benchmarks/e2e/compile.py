@@ -1,9 +1,9 @@
 """Compiled mixed-shape training: eager vs regional torch.compile strategies, with and without the
 fused AdaLN surgery, on a training-like sequence of the reference mix's batch shapes.
 
-    python benchmarks/compile.py --out benchmarks/results/compile_h200.json            # one H200
-    python benchmarks/compile.py --device cpu --tiny --m-mem 640 --out /tmp/compile_cpu.json   # smoke test
-    python benchmarks/compile.py --combine a.json b.json --out c.json   # one table of earlier runs
+    python benchmarks/e2e/compile.py --out benchmarks/results/compile_h200.json            # one H200
+    python benchmarks/e2e/compile.py --device cpu --tiny --m-mem 640 --out /tmp/compile_cpu.json   # smoke test
+    python benchmarks/e2e/compile.py --combine a.json b.json --out c.json   # one table of earlier runs
 
 The example Wan-2.1-1.3B-shaped DiT (`--layers` of its blocks), bf16 autocast, AdamW, flow-matching
 loss: one optimizer step per batch. Batches: the full batch of `--buckets` buckets spread over the
@@ -36,9 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # examples.* from the repository root
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 
 MODES = ("eager", "eager+surgery", "static", "auto", "dynamic", "dynamic+surgery")
 WAN_1_3B = dict(in_channels=16, dim=1536, num_heads=12, ffn_dim=8960, text_dim=4096, freq_dim=256, text_len=512)
@@ -153,7 +152,7 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "compile_h200.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "compile_h200.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and tiny latents (CPU smoke test)")
     parser.add_argument("--layers", type=int, default=4)
@@ -171,18 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return 0
 
-    from _meta import run_meta
-
-    doc = run_meta("compile") | {
+    doc = run_meta("compile", argv) | {
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "mode")},
         "batch_shapes": [[b, list(thw)] for b, thw in batch_shapes(args.m_mem, args.buckets,
                                                                    0.125 if args.tiny else 1.0)],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     results, failed = [], {}
 
     def write() -> None:  # after every mode: a run cut short keeps the modes it finished
-        args.out.write_text(json.dumps(doc | {"results": results, "failed": failed}, indent=1) + "\n")
+        write_result(args.out, doc | {"results": results, "failed": failed}, announce=False)
 
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -243,8 +239,6 @@ def report(results: list[dict], m_mem: int) -> dict | None:
 def combine(paths: list[Path], out: Path) -> int:
     """One table of earlier runs' result files (e.g. a run cut short and the modes it left, run
     again): every mode is compared with the eager row of its own run, which each file must have."""
-    from _meta import run_meta
-
     docs = {path.name: json.loads(path.read_text()) for path in paths}
     m_mem = {doc["settings"]["m_mem"] for doc in docs.values()}
     if len(m_mem) != 1:
@@ -259,8 +253,7 @@ def combine(paths: list[Path], out: Path) -> int:
                  for name, doc in docs.items()},
         "results": results}
     combined["amortisation"] = report(results, m_mem.pop())
-    out.write_text(json.dumps(combined, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(out, combined)
     return 0
 
 

@@ -31,14 +31,13 @@ fraction of the mix's samples trained, peak memory (allocated and
 reserved) of each step, and predicted vs measured peak of every scheduled bucket. Out-of-memory steps
 are caught and recorded. The script stops starting new steps after --deadline-s and writes what it has.
 
-    python benchmarks/memory_plan.py --out benchmarks/results/memory_plan_h200.json   # one GPU
-    python benchmarks/memory_plan.py --device cpu --tiny --out /tmp/memory_plan_cpu.json  # smoke test
+    python benchmarks/scheduling/memory_plan.py --out benchmarks/results/memory_plan_h200.json   # one GPU
+    python benchmarks/scheduling/memory_plan.py --device cpu --tiny --out /tmp/memory_plan_cpu.json  # smoke test
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -49,9 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # examples/ and benchmarks/ are not installed
-from benchmarks._meta import run_meta  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 from examples.video_dit.model import DiTBlock, DiTConfig, VideoDiT, flow_matching_loss  # noqa: E402
 from lightning_adaptiveload.calibration.runner import _SavedTensorBytes  # noqa: E402
 from lightning_adaptiveload.checkpointing import BlockCheckpointing, find_blocks, select_instances  # noqa: E402
@@ -285,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="PYTORCH_CUDA_ALLOC_CONF unless already set: expandable segments keep changing "
                              "shapes from fragmenting memory, which matters once the plan fills the device")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "memory_plan_h200.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory_plan_h200.json")
     args = parser.parse_args(argv)
     started = time.monotonic()
     scale = SCALES["tiny" if args.tiny else "full"]
@@ -351,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
         "steps_run": bench.steps_run,
     }
-    doc = {**run_meta("memory_plan"), "args": {k: (str(v) if isinstance(v, Path) else v)
+    doc = {**run_meta("memory_plan", argv), "args": {k: (str(v) if isinstance(v, Path) else v)
                                                          for k, v in vars(args).items()},
            "model": {**{k: v for k, v in scale.items() if k != "mix"}, "blocks": L, "mix": str(scale["mix"].name),
                      "dtype": "fp32 weights, bf16 autocast" if bench.cuda else "fp32", "optimizer": "AdamW",
@@ -362,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                           "quality": cost.quality},
            "grid": [grid_row(bench, p) for p in full + second],
            "choice": choice.rows(), "configurations": results, "summary": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(_plain(doc), indent=1, allow_nan=False) + "\n")
+    write_result(args.out, _plain(doc), announce=False, allow_nan=False)
 
     print_tables(results, summary, choice.budget_bytes, L)
     print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
 """What `adaptiveload encode` costs per clip on one GPU: the Wan 2.1 VAE and the UMT5-XXL text encoder.
 
-    python benchmarks/encode.py --out benchmarks/results/encode_h200.json        # one H200, about 2 minutes
-    python benchmarks/encode.py --device cpu --tiny --out /tmp/encode_cpu.json   # smoke test (tiny models)
-    python benchmarks/encode.py --dry-run                                        # the plan; builds and runs nothing
+    python benchmarks/data/encode.py --out benchmarks/results/encode_h200.json        # one H200, about 2 minutes
+    python benchmarks/data/encode.py --device cpu --tiny --out /tmp/encode_cpu.json   # smoke test (tiny models)
+    python benchmarks/data/encode.py --dry-run                                        # the plan; builds and runs nothing
 
 Models, random weights (the cost of a forward pass does not depend on the values): the VAE is
 diffusers' `AutoencoderKLWan()` with its default config, which is Wan 2.1's (127 M parameters); the
@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from _meta import run_meta, write_result  # noqa: E402 - puts this checkout first on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import REPO, RESULTS, run_meta, write_result  # noqa: E402
 
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
@@ -48,8 +47,8 @@ SHAPES_TINY = ["9x32x48", "9x48x80"]
 TEXT_LEN = 512
 CAPTION_WORDS = 120  # a long caption; the cost is the same for any length, padded to TEXT_LEN
 # Committed H200 step times of the Wan 1.3B-shaped DiT, per sample, by tokens (see training_step_refs)
-MEMORY_PLAN = REPO / "benchmarks" / "results" / "memory_plan_h200.json"
-SURGERY = REPO / "benchmarks" / "results" / "gpu_surgery" / "surgery_h200.json"
+MEMORY_PLAN = RESULTS / "memory_plan_h200.json"
+SURGERY = RESULTS / "gpu_surgery" / "surgery_h200.json"
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -176,7 +175,7 @@ def decode_seconds(shape: tuple[int, int, int], repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "encode_h200.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "encode_h200.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny random VAE and UMT5, small shapes (CPU smoke test)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the step-time references; "
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             ref["encode_share_of_step"] = clip_s / (clip_s + train_s)
         rows.append(row)
 
-    doc = {**run_meta("encode", diffusers=_version("diffusers"), transformers=_version("transformers"),
+    doc = {**run_meta("encode", argv, diffusers=_version("diffusers"), transformers=_version("transformers"),
                       av=_version("av")),
            "settings": {"tiny": args.tiny, "repeats": args.repeats, "text_repeats": args.text_repeats,
                         "tile_above": tile_above, "dtype": str(dtype).removeprefix("torch.")},

@@ -6,8 +6,8 @@ worker count reads `--batches` batches of the train loader (token_equal policy: 
 need no cost model) and times them, worker start-up included.
 Text: the stand-in embedding (text_len x text_dim), as for a dataset without .text.npy members.
 
-    python benchmarks/datamodule_throughput.py                      # defaults below
-    python benchmarks/datamodule_throughput.py --latent-scale 1.0 --n 400 --workers 0 1 2
+    python benchmarks/data/datamodule_throughput.py                      # defaults below
+    python benchmarks/data/datamodule_throughput.py --latent-scale 1.0 --n 400 --workers 0 1 2
 
 Each configuration runs --repeats times (median reported, all runs in the JSON). Prints a table
 and writes benchmarks/results/datamodule_throughput.json.
@@ -15,28 +15,22 @@ and writes benchmarks/results/datamodule_throughput.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import lightning
-import numpy as np
-import torch
 import webdataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed copy
-from lightning_adaptiveload.data.datamodule import REFERENCE_MIX, AdaptiveLoadDataModule
-from lightning_adaptiveload.data.index import build_index
-from lightning_adaptiveload.data.shards import resolve_shards, write_synthetic_shards
-from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.data.datamodule import REFERENCE_MIX, AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.data.index import build_index  # noqa: E402
+from lightning_adaptiveload.data.shards import resolve_shards, write_synthetic_shards  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 NOTES = ("workers=0 decodes in the main process with all intra-op threads (2 here); each DataLoader worker "
          "runs with 1 thread, so per-worker rates are per core. MB/s counts latent bytes as stored (float16). "
          "Times include worker start-up. Each row is the median of --repeats runs by tokens/s.")
@@ -131,20 +125,14 @@ def main() -> int:
               f"{r['latent_mb_per_s']:8.1f} {r['samples_per_s_per_worker']:11.1f} {r['tokens_per_s_per_worker']:10.0f} "
               f"{r['first_batch_s']:11.2f}")
     result = {
-        "benchmark": "datamodule_throughput",
-        "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
-                   "platform": platform.platform(), "note": "2-core CI-class VM shared with other jobs"},
+        **run_meta("datamodule_throughput", webdataset=webdataset.__version__),
+        "cpu": {"name": cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+                "note": "2-core CI-class VM shared with other jobs"},
         "notes": NOTES,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "lightning": lightning.__version__, "webdataset": webdataset.__version__, "numpy": np.__version__},
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "shard_bytes": shard_bytes},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

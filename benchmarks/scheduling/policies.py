@@ -1,7 +1,7 @@
 """Predicted load balance and throughput of the three policies on the reference mix with the H200
 cost curve (simulation: the sampler's real plan priced by the fitted cost model).
 
-    python benchmarks/policies.py [--m-mem 65536] [--world-sizes 8 16 64] [--steps 2000]
+    python benchmarks/scheduling/policies.py [--m-mem 65536] [--world-sizes 8 16 64] [--steps 2000]
 
 Prints a table, checks the issue's targets, writes benchmarks/results/policies.json and
 policies.png. Streaming rows simulate the streaming stage (each rank its own sample stream, no
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 from importlib.resources import files
 from pathlib import Path
 
@@ -22,13 +23,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from _meta import run_meta, write_result
-from lightning_adaptiveload.scheduling.cost_model import load_cost_model
-from lightning_adaptiveload.scheduling.policies import POLICIES
-from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
-from lightning_adaptiveload.scheduling.simulate import simulate, simulate_streaming
-
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
+from lightning_adaptiveload.scheduling.cost_model import load_cost_model  # noqa: E402
+from lightning_adaptiveload.scheduling.policies import POLICIES  # noqa: E402
+from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl  # noqa: E402
+from lightning_adaptiveload.scheduling.simulate import simulate, simulate_streaming  # noqa: E402
 
 
 def main() -> None:

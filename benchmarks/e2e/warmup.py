@@ -1,7 +1,7 @@
 """Cold shapes in training, and what the shape warm-up does about them (one GPU).
 
-    python benchmarks/warmup.py --out benchmarks/results/warmup_h200.json            # one H200
-    python benchmarks/warmup.py --device cpu --tiny --out /tmp/warmup_cpu.json       # smoke test
+    python benchmarks/e2e/warmup.py --out benchmarks/results/warmup_h200.json            # one H200
+    python benchmarks/e2e/warmup.py --device cpu --tiny --out /tmp/warmup_cpu.json       # smoke test
 
 Three parts, each in fresh processes where the process's caches matter:
 
@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # examples.* from the repository root
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 
 WAN = dict(latent_channels=16, text_len=512, text_dim=4096, dim=1536, heads=12, ffn=8960, freq_dim=256,
            m_mem=65536, latent_scale=1.0, batch_sizes=[1, 2, 4, 8, 16, 32, 64])
@@ -212,7 +211,7 @@ def blocks(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "warmup_h200.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "warmup_h200.json")
     parser.add_argument("--workdir", default="/tmp/warmup_bench")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
@@ -230,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         train(args, args.run)
         return 0
 
-    from _meta import run_meta, write_result
-
-    doc = run_meta("warmup") | {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "run")}}
+    doc = run_meta("warmup", argv) | {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "run")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every part: a run cut short keeps the parts it finished

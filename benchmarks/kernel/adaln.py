@@ -11,12 +11,11 @@ Times are triton.testing.do_bench medians (L2 flushed between repetitions) in ms
 (forward + backward) - forward, both with autograd recording. saved_MB = memory autograd keeps
 alive after forward beyond x, y and the inputs (compiled graphs hide theirs inside the graph).
 
-    python benchmarks/adaln.py --out benchmarks/results/adaln_h200.json
+    python benchmarks/kernel/adaln.py --out benchmarks/results/adaln_h200.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from _meta import run_meta
-
-from lightning_adaptiveload import ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
+from benchmarks._meta import run_meta, write_result  # noqa: E402
+from lightning_adaptiveload import ops  # noqa: E402
 
 SHAPES = [(1, 16384, 1536), (1, 65536, 1536), (2, 32760, 5120), (1, 65536, 5120), (4, 4096, 3072)]
 EPS = 1e-6
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", type=str, default=None, help="B,N,D;B,N,D;... (default: the issue's five)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/adaln.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel/adaln.py needs a CUDA GPU")
     backend = ops.backend()
     if not backend.startswith("cuda:"):
         sys.exit(f"the fused kernels are not active ({backend}); build the extension first")
@@ -250,15 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, "fwd_ms", "bwd_ms", "do_bench, direct calls (includes Python/launch overhead)")
     print_targets(rows)
     result = {
-        **run_meta("adaln"),
+        **run_meta("adaln", argv),
         "description": __doc__.strip().splitlines()[0],
         "backend": backend,
         "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {args.out}")
+    print()
+    write_result(args.out, result)
     return 0
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import lightning_adaptiveload.data.index as index_mod
+import lightning_adaptiveload.data.index_cache as cache_mod
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.index import index_cache_path, read_index
 from tests.helpers.data import index_v2_lines, random_index_lines
@@ -94,7 +95,7 @@ def test_same_size_edit_with_restored_mtime_is_detected_by_the_hash(tmp_path, ca
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     lines[17]["members"]["json"][0] = new
     lines[17]["members"]["json"][2] = new - 512
-    with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=cache_mod.__name__):
         index = read_index(path)
     assert index.members(17)["json"] == (new, lines[17]["members"]["json"][1], new - 512)
     assert list(index) == expected_rows(path, lines)
@@ -121,7 +122,7 @@ def test_corrupt_cache_falls_back_to_the_parse_and_is_rewritten(tmp_path, monkey
     for name, bad in damaged:
         cache.write_bytes(bad)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
+        with caplog.at_level(logging.WARNING, logger=cache_mod.__name__):
             assert list(read_index(path)) == expected, name
         if "is not used" in caplog.text:
             unused.append(name)
@@ -136,17 +137,17 @@ def test_corrupt_cache_falls_back_to_the_parse_and_is_rewritten(tmp_path, monkey
 def test_other_format_version_is_not_used(tmp_path, monkeypatch, caplog):
     path, lines = index_file(tmp_path, n=10)
     read_index(path)
-    monkeypatch.setattr(index_mod, "CACHE_VERSION", index_mod.CACHE_VERSION + 1)
+    monkeypatch.setattr(cache_mod, "CACHE_VERSION", cache_mod.CACHE_VERSION + 1)
     calls = []
     real_parse = index_mod._parse_index
     monkeypatch.setattr(index_mod, "_parse_index", lambda p: calls.append(p) or real_parse(p))
-    with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=cache_mod.__name__):
         assert list(read_index(path)) == expected_rows(path, lines)
     assert len(calls) == 1 and "format version" in caplog.text
     read_index(path)  # rewritten under the new version: a hit
     assert len(calls) == 1
     with np.load(index_cache_path(path), allow_pickle=False) as npz:
-        assert int(npz["version"]) == index_mod.CACHE_VERSION
+        assert int(npz["version"]) == cache_mod.CACHE_VERSION
 
 
 @pytest.mark.parametrize("fail_at", ["mkstemp", "savez"])
@@ -158,7 +159,7 @@ def test_unwritable_cache_is_skipped_with_one_log_line(tmp_path, monkeypatch, ca
     def fail(*args, **kwargs):
         raise OSError(errno.EROFS if fail_at == "mkstemp" else errno.ENOSPC, "injected")
     monkeypatch.setattr(tempfile if fail_at == "mkstemp" else np, fail_at, fail)
-    with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=cache_mod.__name__):
         assert list(read_index(path)) == expected_rows(path, lines)
     assert len(caplog.records) == 1 and "not written" in caplog.text
     assert sorted(os.listdir(tmp_path)) == ["index.jsonl"]
@@ -169,7 +170,7 @@ def test_read_only_folder(tmp_path, caplog):
     path, lines = index_file(tmp_path, n=10)
     tmp_path.chmod(0o555)
     try:
-        with caplog.at_level(logging.WARNING, logger=index_mod.__name__):
+        with caplog.at_level(logging.WARNING, logger=cache_mod.__name__):
             assert list(read_index(path)) == expected_rows(path, lines)
     finally:
         tmp_path.chmod(0o755)

@@ -5,6 +5,8 @@ non-trivial latents_mean/std), the text encoder transformers' UMT5EncoderModel w
 and a word-level tokenizer built with `tokenizers`; both random, seeded, saved to local folders in
 the layout of a Wan diffusers pipeline (vae/, text_encoder/, tokenizer/)."""
 import fractions
+import io
+import tarfile
 
 import numpy as np
 import pytest
@@ -130,3 +132,12 @@ def vae_reference(vae, frames: torch.Tensor) -> np.ndarray:
     m = torch.tensor(LATENTS_MEAN).view(-1, 1, 1, 1)
     s = torch.tensor(LATENTS_STD).view(-1, 1, 1, 1)
     return ((mean - m) / s).numpy()
+
+
+def write_tar(path, members: dict[str, bytes]) -> None:
+    """A plain tar of `members` (name -> bytes), as WebDataset shards of clips are."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))

@@ -1,21 +1,12 @@
 """Listing inputs (folder, manifest, tars), captions, keys and the rank split."""
-import io
 import json
-import tarfile
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.encode.inputs import (BadInput, list_inputs, rank_of, read_caption, read_media,
                                                   sample_key)
-
-
-def _tar(path, members: dict[str, bytes]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+from tests.encode.conftest import write_tar
 
 
 def test_folder_lists_media_recursively_with_captions_beside(tmp_path):
@@ -56,7 +47,7 @@ def test_manifest_paths_relative_to_it_and_errors_name_the_line(tmp_path):
 
 def test_tar_samples_media_and_caption_members(tmp_path):
     tar = tmp_path / "in.tar"
-    _tar(tar, {"a.mp4": b"video", "a.txt": b"a cat", "b.jpg": b"img", "b.json": json.dumps({"caption": "sky"}).encode(),
+    write_tar(tar, {"a.mp4": b"video", "a.txt": b"a cat", "b.jpg": b"img", "b.json": json.dumps({"caption": "sky"}).encode(),
                "c.txt": b"caption only", "d.png": b"img", "e.json": b"{bad", "e.png": b"img"})
     items = {i.id.split("#")[1]: i for i in list_inputs(str(tar))}
     assert sorted(items) == ["a", "b", "c", "d", "e"]

@@ -1,8 +1,6 @@
 """encode_videos end to end: the shards and index it writes against independent references,
 resume after a kill, two ranks and one index, every bad-input reason, and training on the result."""
-import io
 import json
-import tarfile
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from lightning_adaptiveload.encode.pipeline import encode_videos, finalize_encod
 from lightning_adaptiveload.encode.state import STATE_DIR, claim_finalize
 
 from tests.encode.conftest import (GRID, TEXT_DIM, TEXT_LEN, Z_DIM, index_video, tiny_text_encoder, tiny_tokenizer,
-                                   tiny_vae, vae_reference, write_image)
+                                   tiny_vae, vae_reference, write_image, write_tar)
 
 # input -> frame counts of its windows at 16 fps (grid frames 5, 9, 17; windows mode)
 EXPECTED_WINDOWS = {"long.mp4": [17, 9], "mid.mp4": [9], "sub/pic.png": [1], "sq.jpg": [1], "five.mp4": [5],
@@ -179,14 +177,6 @@ def test_two_ranks_write_disjoint_shards_and_the_last_builds_one_index(inputs, e
     assert summary["samples"] == len(rows) and summary["world_size"] == 2
 
 
-def _tar(path, members: dict[str, bytes]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
 def test_every_bad_input_reason_is_counted_listed_and_never_written(inputs, tmp_path):
     root = tmp_path / "bad"
     root.mkdir()
@@ -215,7 +205,7 @@ def test_every_bad_input_reason_is_counted_listed_and_never_written(inputs, tmp_
                                             "bad/junk.mp4": "missing_caption"}, None)
 
     tar = tmp_path / "in.tar"
-    _tar(tar, {"a.mp4": good, "a.txt": b"a cat", "b.txt": b"caption, no media", "c.png": b"\x89PNG",
+    write_tar(tar, {"a.mp4": good, "a.txt": b"a cat", "b.txt": b"caption, no media", "c.png": b"\x89PNG",
                "c.txt": b"a dog", "d.jpg": (inputs / "sq.jpg").read_bytes()})
     result = _encode(str(tar), tmp_path / "out_t")
     _check_bad(tmp_path / "out_t", result, {f"{tar}#a": None, f"{tar}#b": "missing_file",

@@ -287,10 +287,20 @@ class _DataModulePlan:
         self.calibration, self.points, self.cost_model = calibration, points, cost_model
         self.datamodule, self.switch, self.runner = calibration.datamodule, calibration.switch, calibration.runner
         self.state_bytes = 0  # the optimizer state in every verified peak
+        self._schedule: tuple[list[dict] | None, list[ScheduledShape]] | None = None
         self._tokens: dict[tuple[int, int, int], int] = {}
 
     def _rows(self) -> list[dict] | None:
-        return self.datamodule.bucket_table().rows() if isinstance(self.datamodule, Replannable) else None
+        return self._scheduled()[0]
+
+    def _scheduled(self) -> tuple[list[dict] | None, list[ScheduledShape]]:
+        """(bucket rows, scheduled shapes) of the DataModule as it plans now, computed once between
+        hand-overs (listing the shapes plans the epoch, which verification asks for many times)."""
+        if self._schedule is None:
+            rows = self.datamodule.bucket_table().rows() if isinstance(self.datamodule, Replannable) else None
+            shapes = [ScheduledShape(*entry) for entry in self.datamodule.scheduled_batch_shapes()]
+            self._schedule = rows, shapes
+        return self._schedule
 
     def buckets(self) -> dict[int, tuple[int, tuple[int, int, int] | None, int | None]]:
         rows = self._rows()
@@ -304,7 +314,7 @@ class _DataModulePlan:
         return buckets
 
     def shapes(self) -> list[ScheduledShape]:
-        return [ScheduledShape(*entry) for entry in self.datamodule.scheduled_batch_shapes()]
+        return self._scheduled()[1]
 
     def seq_len(self, latent_shape) -> int:
         thw = tuple(int(v) for v in latent_shape)
@@ -338,26 +348,32 @@ class _DataModulePlan:
                "reserved_bytes": raw["reserved_bytes"]}
         return {**out, "warm_ms": raw["time_ms"]} if warm else out
 
-    def apply(self, verification: Verification, refit: bool) -> None:
-        if not isinstance(self.datamodule, Replannable):
-            return  # a DataModule that cannot take limits: the shapes ran (warmed), nothing changes
+    def refit(self, verification: Verification) -> None:
+        """The memory and depth models fitted again on the grid points and every measured shape with
+        a peak (rank 0 fits, every rank gets them), handed to the DataModule; kept as they were when
+        the refit fails or there is no memory plan."""
         memory = self.calibration.memory
-        if refit and memory is not None and memory.used:
-            verdict = None
-            if self.runner.is_global_zero:
-                verdict = self.calibration._fit_memory(self.points, self.cost_model, self.state_bytes,
-                                                       verified=[m for m in verification.shapes if m.peak_bytes])
-            memory_model, depth_model, reasons = self.runner.broadcast(verdict)
-            if reasons:
-                self.calibration.info("CostModelCalibration: refit on the verified shapes failed (" + "; ".join(reasons)
-                                      + "); the plan keeps the models it had")
-            else:
-                # the measured optimizer state replaces the predicted one in the models' m0
-                memory = replace(memory, memory_model=memory_model, depth_cost_model=depth_model)
-                self.calibration.memory = memory
-                self.datamodule.set_memory_plan(depth_model, memory_model, memory.device_memory_bytes,
-                                                self.calibration.config.max_memory_fraction)
-        self.datamodule.set_verification(verification)
+        if memory is None or not memory.used or not isinstance(self.datamodule, Replannable):
+            return
+        verdict = None
+        if self.runner.is_global_zero:
+            verdict = self.calibration._fit_memory(self.points, self.cost_model, self.state_bytes,
+                                                   verified=[m for m in verification.shapes if m.peak_bytes])
+        memory_model, depth_model, reasons = self.runner.broadcast(verdict)
+        if reasons:
+            self.calibration.info("CostModelCalibration: refit on the verified shapes failed (" + "; ".join(reasons)
+                                  + "); the plan keeps the models it had")
+            return
+        # the measured optimizer state replaces the predicted one in the models' m0
+        self.calibration.memory = replace(memory, memory_model=memory_model, depth_cost_model=depth_model)
+        self.datamodule.set_memory_plan(depth_model, memory_model, memory.device_memory_bytes,
+                                        self.calibration.config.max_memory_fraction)
+        self._schedule = None
+
+    def apply(self, verification: Verification) -> None:
+        if isinstance(self.datamodule, Replannable):  # one that cannot take limits: the shapes ran, nothing changes
+            self.datamodule.set_verification(verification)
+            self._schedule = None
 
 
 def grid_and_recompile_room(config: CalibrationConfig, datamodule, pl_module: torch.nn.Module, depths: bool,

@@ -11,8 +11,9 @@ k = 30 and 15, and ran out of memory in training). Verification measures what th
               -> a bucket whose full batch fits is pinned at it; one over the budget or out of memory
                  gets a tighter BucketLimit: more blocks checkpointed at no larger B, and at every
                  block checkpointed a smaller B (`tighten`)
-              -> `plan.apply(Verification, refit)`: the models refitted on everything measured, the
-                 limits and measured step times handed to the DataModule; the schedule changes
+              -> `plan.refit(Verification)` when a shape did not fit: the models fitted again on
+                 everything measured; `plan.apply(Verification)`: the limits and measured step
+                 times handed to the DataModule; the schedule changes
     until a round finds nothing left to measure (converged), or after `max_rounds` re-plans; then
     each bucket still without a fitting full batch is settled on the safest choice: its largest
     measured-to-fit batch, else every block checkpointed at the largest B predicted to fit, else at
@@ -52,9 +53,11 @@ class Plan(Protocol):
         """(step ms, peak bytes) the models predict for a shape (None where there is no model); the
         verifier scales the peak by the bucket's memory_scale."""
 
-    def apply(self, verification: Verification, refit: bool) -> None:
-        """Schedule within `verification` from now on; refit: fit the models again on everything
-        measured first (a shape did not fit)."""
+    def refit(self, verification: Verification) -> None:
+        """Fit the models again on everything measured (a shape did not fit)."""
+
+    def apply(self, verification: Verification) -> None:
+        """Schedule within `verification` from now on."""
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,9 @@ class PlanVerifier:
             failed = self._measure_all(targets or partial, rounds)
             replans += failed
             if failed:  # the refit predicts the failed shapes anew: their buckets' scales follow it
-                self.plan.apply(self._verification(), refit=True)
+                self.plan.refit(self._verification())
                 self._rescale()
-            self.plan.apply(self._verification(), refit=False)
+            self.plan.apply(self._verification())
         unresolved = self._unresolved()
         settled: tuple[int, ...] = ()
         if unresolved:
@@ -173,13 +176,13 @@ class PlanVerifier:
         return those that no longer fit (their bucket is then planned again)."""
         self.shapes = {(m.batch_size, m.seq_len, m.checkpointed): m for m in prior.shapes}
         self.limits, self.max_seq_len = dict(prior.limits), prior.max_seq_len
-        self.plan.apply(self._verification(), refit=False)
+        self.plan.apply(self._verification())
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
                     if (m := self._measured(seq_len, shape)) is not None and m.fits]
         stale = []
         for i, (seq_len, shape) in enumerate(recorded):
             raw = self.measure(shape, warm=False)
-            fits = raw["status"] == "ok" and max(raw["peak_bytes"], raw.get("reserved_bytes") or 0) <= self.budget_bytes
+            fits = self._status(raw) == "fits"
             note = f"{raw['cold_ms']:.1f} ms cold, fits as recorded" if fits else "NO LONGER FITS"
             if not fits:  # recorded anew as what it is now (its one step's time stands for both), and re-planned
                 stale.append(shape)
@@ -187,7 +190,7 @@ class PlanVerifier:
                 note += self._tighten(seq_len, self._measured(seq_len, shape))
             self.progress(f"verify round {rnd} (recorded), {i + 1}/{len(recorded)}: {_describe(shape)}: {note}")
         if stale:
-            self.plan.apply(self._verification(), refit=False)
+            self.plan.apply(self._verification())
         return stale
 
     def _scheduled(self) -> dict[int, list[ScheduledShape]]:
@@ -274,15 +277,20 @@ class PlanVerifier:
                       latent_shape=None if shape.latent_shape is None else tuple(shape.latent_shape),
                       checkpointed=shape.checkpointed, predicted_ms=predicted_ms,
                       predicted_peak_bytes=predicted_peak, round=rnd)
-        if raw["status"] == "oom":
+        status = self._status(raw)
+        if status == "oom":
             measured = MeasuredShape(status="oom", **common)
         else:
-            used = max(raw["peak_bytes"], raw.get("reserved_bytes") or 0)
-            measured = MeasuredShape(status="fits" if used <= self.budget_bytes else "over_budget",
-                                     warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"], peak_bytes=raw["peak_bytes"],
-                                     reserved_bytes=raw.get("reserved_bytes"), **common)
+            measured = MeasuredShape(status=status, warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"],
+                                     peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"), **common)
         self.shapes[(int(shape.batch_size), int(seq_len), shape.checkpointed)] = measured
         return measured
+
+    def _status(self, raw: dict) -> str:
+        """verification.STATUSES of a measurement: its peak, allocated or reserved, against the budget."""
+        if raw["status"] == "oom":
+            return "oom"
+        return "fits" if max(raw["peak_bytes"], raw.get("reserved_bytes") or 0) <= self.budget_bytes else "over_budget"
 
     def _tighten(self, seq_len: int, failed: MeasuredShape) -> str:
         limit = tighten(self.limits.get(seq_len), failed, self.num_blocks, self.budget_bytes, self.device_bytes)
@@ -327,7 +335,7 @@ class PlanVerifier:
                     break
                 self.progress(f"verify: bucket {seq_len} {_describe(candidate)}: {_result(measured)}"
                               + (self._tighten(seq_len, measured) if candidate.batch_size == 1 else ""))
-        self.plan.apply(self._verification(), refit=False)
+        self.plan.apply(self._verification())
         return tuple(settled)
 
 

@@ -77,9 +77,11 @@ class FakePlan:
         out = {"status": "ok", "cold_ms": t + 50.0, "peak_bytes": peak, "reserved_bytes": 1.02 * peak}
         return {**out, "warm_ms": t} if warm else out
 
-    def apply(self, verification, refit):
+    def refit(self, verification):
+        self.refits += 1
+
+    def apply(self, verification):
         self.verification = verification
-        self.refits += refit
 
 
 def run(plan, **kw):
@@ -215,7 +217,10 @@ def test_without_a_memory_plan_only_the_batch_size_shrinks():
         def predict(self, shape):
             return None, None
 
-        def apply(self, verification, refit):
+        def refit(self, verification):
+            pass
+
+        def apply(self, verification):
             state["limit"] = verification.limits.get(256)
 
     def measure(shape, warm=True):

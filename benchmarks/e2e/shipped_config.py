@@ -18,8 +18,9 @@ From each run's log folder (calibration.json, balance_per_rank.csv) and its outp
 of memory; calibration and verification seconds and what verification re-planned; per step the
 batch, the price the plan balanced it at (the monitor's load: verified warm time) and the measured
 step time and peak memory; the epoch's tokens/s (tokens over the sum of interval_ms, data waits
-included), samples trained; every step's peak against the budget; per (B, S) the median step time
-over the plan's price. Against the baseline: the epoch's tokens/s, and the tokens/s on the samples
+included), and apart from it the steps where a (B, S) ran first (their excess over the plan's price)
+and the steady tokens/s without them; samples trained; every step's peak against the budget; per
+(B, S) the median of its later steps over the plan's price. Against the baseline: the epoch's tokens/s, and the tokens/s on the samples
 both train (`common_sample_speedup`: per bucket S, min(samples trained by either) samples at each run's
 own measured tokens/s of that bucket; the run's time for them over the baseline's).
 `--cache-dir` keeps each run's calibration cache between calls (compiled and compiled95 share a key).
@@ -42,6 +43,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
+from lightning_adaptiveload.scheduling import metrics  # noqa: E402
 
 RUNS = {
     "baseline": ("h200_fsdp_baseline.yaml", {}),
@@ -115,8 +117,13 @@ def launch(name: str, args: argparse.Namespace) -> dict:
         Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{name}_calibration_cache.json")
     print(f"[{name}] exit {rc} after {wall:.0f} s", flush=True)
-    return {"exit": rc, "wall_s": wall, "out_of_memory": "OutOfMemoryError" in text or "CUDA out of memory" in text,
-            "log_tail": text[-3000:]}
+    return {"exit": rc, "wall_s": wall, "out_of_memory": ran_out_of_memory(text), "log_tail": text[-3000:]}
+
+
+def ran_out_of_memory(log_text: str) -> bool:
+    """Whether a run's output shows a CUDA out-of-memory error that reached the user (verification's own,
+    caught and re-planned, print no traceback)."""
+    return "OutOfMemoryError" in log_text or "CUDA out of memory" in log_text
 
 
 def summarize_run(log_dir: Path) -> dict:
@@ -129,12 +136,16 @@ def summarize_run(log_dir: Path) -> dict:
     peaks = np.fmax(cols["peak_allocated_bytes"][:, 0], cols["peak_reserved_bytes"][:, 0])
     verification = calibration.get("verification") or {}
     budget = verification.get("budget_bytes")
+    # each shape's first step is reported apart: one that verification did not warm pays its kernels there
+    first = metrics.first_occurrences(cols["samples"], cols["seq_len"])
     shapes = {}
     for b, s in sorted({(int(b), int(s)) for b, s in zip(samples, seq_len)}):
         at = (samples == b) & (seq_len == s)
+        steady = at & ~first if (at & ~first).any() else at
         shapes[f"{b}x{s}"] = {"batch_size": b, "seq_len": s, "steps": int(at.sum()),
-                              "median_step_ms": float(np.median(step_ms[at])), "planned_ms": float(np.median(load[at])),
-                              "median_over_planned": float(np.median(step_ms[at]) / np.median(load[at]) - 1)}
+                              "first_step_ms": float(step_ms[at & first][0]),
+                              "median_step_ms": float(np.median(step_ms[steady])), "planned_ms": float(np.median(load[at])),
+                              "median_over_planned": float(np.median(step_ms[steady]) / np.median(load[at]) - 1)}
     buckets = {}
     for s in sorted({int(v) for v in seq_len}):
         at = seq_len == s
@@ -152,6 +163,9 @@ def summarize_run(log_dir: Path) -> dict:
            "optimizer_state": verification.get("optimizer_state")},
         "steps": int(len(samples)), "samples_trained": int(samples.sum()), "tokens": float(tokens.sum()),
         "epoch_s": float(interval.sum()) / 1e3, "tokens_per_s": float(tokens.sum() / (interval.sum() / 1e3)),
+        "first_occurrence_steps": int(first.sum()),
+        "first_occurrence_excess_ms": float((step_ms[first] - load[first]).sum()),
+        "steady_tokens_per_s": float(tokens[~first].sum() / (interval[~first].sum() / 1e3)) if (~first).any() else None,
         "budget_bytes": budget,
         "peak_allocated_bytes": float(np.nanmax(cols["peak_allocated_bytes"])) if np.isfinite(peaks).any() else None,
         "peak_reserved_bytes": float(np.nanmax(cols["peak_reserved_bytes"])) if np.isfinite(peaks).any() else None,
@@ -258,9 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU (smoke run)")
     parser.add_argument("--combine", nargs="+", default=None, help="result files of earlier calls: one table")
+    parser.add_argument("--from-logs", nargs="+", default=None, metavar="NAME=DIR",
+                        help="summarize runs whose calibration.json and per-rank CSV lie in DIR (e.g. committed logs of "
+                             "runs stopped before their end) instead of running them")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.combine:
+    if args.from_logs:
+        runs = {}
+        for item in args.from_logs:
+            name, _, folder = item.partition("=")
+            log = Path(folder) / "fit.log"
+            runs[name] = {"exit": None, "from_logs": folder, "result": summarize_run(Path(folder)),
+                          "out_of_memory": ran_out_of_memory(log.read_text(errors="replace")) if log.exists() else None}
+        doc = {**run_meta("shipped_config"), "args": vars(args), "runs": runs, "comparison": compare(runs)}
+    elif args.combine:
         parts = [json.loads(Path(p).read_text()) for p in args.combine]
         runs = {name: run for part in parts for name, run in part["runs"].items()}
         doc = {**run_meta("shipped_config", argv), "combined_from": [{"file": p, "command": part["command"], "date": part["date"],

@@ -36,9 +36,3 @@ def prepare_environment(environ: dict | None = None) -> dict[str, str]:
     environ.update(made)
     return made
 
-
-def expandable_segments(environ: dict | None = None) -> bool:
-    """Whether the allocator configuration in `environ` turns expandable segments on."""
-    environ = os.environ if environ is None else environ
-    conf = ",".join(environ.get(name, "") for name in ALLOCATOR_VARIABLES).replace(" ", "")
-    return "expandable_segments:True" in conf

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from lightning_adaptiveload.data.index import build_index, scan_shard
 from lightning_adaptiveload.data.shards import BadSample, inspect_sample
+from lightning_adaptiveload.scheduling.model_io import write_json
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 STATE_DIR = "encode-state"
@@ -70,13 +71,6 @@ def _append(f, record: dict) -> None:
     f.write((json.dumps(record) + "\n").encode())
     f.flush()
     os.fsync(f.fileno())
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    """Write aside and rename: readers (other ranks, a finalize step) never see half a file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def check_shard(path: Path, entry: dict, check: str) -> str:
@@ -204,7 +198,7 @@ class RankState:
     def write_done(self, summary: dict) -> None:
         """The done marker: this rank finished every input it was given. `attempt` is new each run,
         so a finalize claim of an earlier set of markers never blocks a later one."""
-        _write_json(self.done_path, {"rank": self.rank, "world_size": self.world_size, "attempt": uuid.uuid4().hex,
+        write_json(self.done_path, {"rank": self.rank, "world_size": self.world_size, "attempt": uuid.uuid4().hex,
                                      "finished": _now(), **summary})
 
 
@@ -292,5 +286,5 @@ def finalize(out_dir: str | Path, index: str | Path | None = None, check: str = 
                "shards": len(shards), "inputs_listed": markers[0]["inputs_listed"],
                "bad_inputs": len(bad), "bad_by_reason": dict(sorted(reasons.items())), "config": config,
                "ranks": sorted(markers, key=lambda m: m["rank"])}
-    _write_json(out / "encode_summary.json", summary)
+    write_json(out / "encode_summary.json", summary)
     return summary

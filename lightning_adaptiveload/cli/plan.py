@@ -16,7 +16,7 @@ from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.epoch_plan import DROP_COUNTERS
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-from lightning_adaptiveload.scheduling.policies import POLICIES, keeps_partial_batches
+from lightning_adaptiveload.scheduling.policies import POLICIES
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
 from lightning_adaptiveload.scheduling.shapes import ShapeMix, read_shapes_jsonl
 
@@ -49,7 +49,8 @@ def plan_summary(mix: ShapeMix, cost_model, *, policy: str, m_mem: int, m_comp: 
     """(bucket table, epoch-0 plan stats) of the mix expanded to one entry per sample, planned for
     `world_size` ranks as the DataModule does: rows above max_seq_len (under `memory_plan`, also
     those longer than the device fits) never reach the sampler (counted here as dropped_oversize),
-    the rest are scheduled at their bucket keys."""
+    the rest are scheduled at their bucket keys. drop_last None: the sampler's default for `policy`;
+    the stats say which it used ("drop_last")."""
     table = BucketTable.build(mix.tokens, mix.counts, mix.latent_thw, policy=policy, m_mem=m_mem, m_comp=m_comp,
                               cost_model=cost_model, max_seq_len=max_seq_len, memory_plan=memory_plan)
     fits = mix.tokens <= table.max_seq_len
@@ -61,15 +62,16 @@ def plan_summary(mix: ShapeMix, cost_model, *, policy: str, m_mem: int, m_comp: 
     stats = dict(sampler.plan().stats)
     stats["samples_total"] += oversize
     stats["dropped_oversize"] += oversize
+    stats["drop_last"] = sampler.drop_last
     return table, stats
 
 
-def format_summary(table: BucketTable, stats: dict, cost_model, seed: int, drop_last: bool) -> str:
+def format_summary(table: BucketTable, stats: dict, cost_model, seed: int) -> str:
     dropped = ", ".join(f"{key.removeprefix('dropped_')} {stats[key]}" for key in DROP_COUNTERS)
     return "\n".join([
         f"cost model: {cost_model!r}",
         table.format(),
-        f"epoch plan on {stats['world_size']} rank(s) (seed {seed}, drop_last={drop_last}): "
+        f"epoch plan on {stats['world_size']} rank(s) (seed {seed}, drop_last={stats['drop_last']}): "
         f"{stats['steps']} steps per epoch, {stats['samples_scheduled']} of {stats['samples_total']} samples "
         f"scheduled; dropped: {dropped}",
     ])
@@ -100,10 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     cost_model = load_cost_model(args.cost_model) if memory_plan is None else memory_plan.cost_model.base
     # under a memory plan every sample is a candidate: the device, not m_mem, bounds the length
     max_seq_len = args.max_seq_len if args.max_seq_len is not None or memory_plan is None else int(mix.tokens.max())
-    drop_last = not keeps_partial_batches(args.policy) if args.drop_last is None else args.drop_last
     table, stats = plan_summary(mix, cost_model, policy=args.policy, m_mem=args.m_mem, m_comp=args.m_comp,
                                 max_seq_len=max_seq_len, world_size=args.world_size, seed=args.seed,
-                                drop_last=drop_last, memory_plan=memory_plan)
+                                drop_last=args.drop_last, memory_plan=memory_plan)
     shown = cost_model if memory_plan is None else memory_plan.cost_model
     if args.json:
         doc = {"cost_model": repr(shown), "bucket_table": table.to_dict(), "epoch_plan": stats}
@@ -113,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         if memory_plan is not None:
             print(f"memory model: {memory_plan.memory_model!r}")
-        print(format_summary(table, stats, shown, args.seed, drop_last))
+        print(format_summary(table, stats, shown, args.seed))
     return 0
 
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.scheduling import metrics  # noqa: E402
+from lightning_adaptiveload.scheduling.verification import held_bytes  # noqa: E402
 
 RUNS = {
     "baseline": ("h200_fsdp_baseline.yaml", {}),
@@ -133,7 +134,7 @@ def summarize_run(log_dir: Path) -> dict:
     samples, seq_len = cols["samples"][:, 0], cols["seq_len"][:, 0]
     step_ms, load, interval = cols["step_time_ms"][:, 0], cols["load"][:, 0], cols["interval_ms"][:, 0]
     tokens = cols["tokens"][:, 0]
-    peaks = np.fmax(cols["peak_allocated_bytes"][:, 0], cols["peak_reserved_bytes"][:, 0])
+    peaks = held_bytes(cols["peak_allocated_bytes"][:, 0], cols["peak_reserved_bytes"][:, 0])
     verification = calibration.get("verification") or {}
     budget = verification.get("budget_bytes")
     # each shape's first step is reported apart: one that verification did not warm pays its kernels there

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
-from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification
+from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification, held_bytes
 
 
 class Plan(Protocol):
@@ -86,7 +86,7 @@ def tighten(limit: BucketLimit | None, failed: MeasuredShape, num_blocks: int | 
     least one less); None when B = 1 with every block checkpointed did not fit. Its memory scale
     becomes the measured / predicted peak (an out-of-memory step needed more than the device)."""
     old = limit or BucketLimit()
-    used = failed.used_bytes if failed.used_bytes is not None else float(device_bytes)
+    used = failed.needed_bytes(device_bytes)
     scale = old.memory_scale
     if failed.predicted_peak_bytes:  # the prediction was already scaled by the old limit's scale
         scale = max(scale, scale * used / failed.predicted_peak_bytes)
@@ -174,7 +174,7 @@ class PlanVerifier:
     def _rewarm(self, prior: Verification, rnd: int) -> list[ScheduledShape]:
         """Seed the loop with `prior`, run each of its fitting shapes the schedule holds once; drop and
         return those that no longer fit (their bucket is then planned again)."""
-        self.shapes = {(m.batch_size, m.seq_len, m.checkpointed): m for m in prior.shapes}
+        self.shapes = {m.key: m for m in prior.shapes}
         self.limits, self.max_seq_len = dict(prior.limits), prior.max_seq_len
         self.plan.apply(self._verification())
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
@@ -216,7 +216,7 @@ class PlanVerifier:
                     continue
                 predicted = self.plan.predict(ScheduledShape(m.batch_size, m.latent_shape, 0, m.checkpointed))[1]
                 if predicted:
-                    ratios.append((m.used_bytes if m.used_bytes is not None else self.device_bytes) / predicted)
+                    ratios.append(m.needed_bytes(self.device_bytes) / predicted)
             self.limits[seq_len] = replace(limit, memory_scale=max([1.0, *ratios]))
 
     def _verification(self) -> Verification:
@@ -283,14 +283,14 @@ class PlanVerifier:
         else:
             measured = MeasuredShape(status=status, warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"],
                                      peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"), **common)
-        self.shapes[(int(shape.batch_size), int(seq_len), shape.checkpointed)] = measured
+        self.shapes[measured.key] = measured
         return measured
 
     def _status(self, raw: dict) -> str:
         """verification.STATUSES of a measurement: its peak, allocated or reserved, against the budget."""
         if raw["status"] == "oom":
             return "oom"
-        return "fits" if max(raw["peak_bytes"], raw.get("reserved_bytes") or 0) <= self.budget_bytes else "over_budget"
+        return "fits" if held_bytes(raw["peak_bytes"], raw.get("reserved_bytes")) <= self.budget_bytes else "over_budget"
 
     def _tighten(self, seq_len: int, failed: MeasuredShape) -> str:
         limit = tighten(self.limits.get(seq_len), failed, self.num_blocks, self.budget_bytes, self.device_bytes)

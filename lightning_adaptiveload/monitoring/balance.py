@@ -14,6 +14,7 @@ import numpy as np
 from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_NAMES
 from lightning_adaptiveload.monitoring.per_rank_log import COLUMN, FIELDS, format_rank_table
 from lightning_adaptiveload.scheduling import metrics
+from lightning_adaptiveload.scheduling.verification import held_bytes
 
 _PER_RANK_MEANS = ("samples", "tokens", "seq_len", "load", "step_time_ms")
 
@@ -118,7 +119,7 @@ class BalanceTracker:
         self._peak = np.fmax(self._peak, peaks)
         out = {"memory/peak_allocated_gib": float(peaks[0]) / 2**30, "memory/peak_reserved_gib": float(peaks[1]) / 2**30}
         if self.memory_budget_bytes is not None:
-            over = int((np.fmax(allocated, reserved) > self.memory_budget_bytes).any(axis=1).sum())
+            over = int((held_bytes(allocated, reserved) > self.memory_budget_bytes).any(axis=1).sum())
             self.steps_over_budget += over
             out["memory/steps_over_budget"] = float(over)
         return out

@@ -232,8 +232,7 @@ class BucketTable:
         header += f" {'k':>4} {'peak MiB':>10}" if plan is not None else ""
         header += f" {'meas ms':>9} {'meas MiB':>10}" if self.verification is not None else ""
         lines.append(header)
-        measured = {} if self.verification is None else {
-            (m.batch_size, m.seq_len, m.checkpointed): m for m in self.verification.shapes}
+        measured = {} if self.verification is None else {m.key: m for m in self.verification.shapes}
         depths = self.checkpointed_of()
         for row in self.rows():
             shape = "-" if row["latent_shape"] is None else str(row["latent_shape"])

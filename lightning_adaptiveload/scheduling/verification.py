@@ -33,6 +33,15 @@ def _optional_number(name: str, value) -> float | None:
     return float(value)
 
 
+def held_bytes(peak_bytes, reserved_bytes):
+    """The memory a step held from the device, what a memory budget bounds (verification's status,
+    the monitor's steps over budget): its reserved peak where known, else its allocated peak.
+    Scalars (reserved None: unknown) give a float; arrays (NaN: unknown) broadcast."""
+    reserved = np.nan if reserved_bytes is None else np.asarray(reserved_bytes, dtype=np.float64)
+    held = np.fmax(np.asarray(peak_bytes, dtype=np.float64), reserved)
+    return float(held) if held.ndim == 0 else held
+
+
 @dataclass(frozen=True)
 class MeasuredShape:
     """One scheduled batch shape run as a training step.
@@ -78,11 +87,19 @@ class MeasuredShape:
         return self.status == "fits"
 
     @property
+    def key(self) -> tuple[int, int, int | None]:
+        """(B, seq_len, k): what identifies a shape; a later measurement of a key replaces an earlier one."""
+        return self.batch_size, self.seq_len, self.checkpointed
+
+    @property
     def used_bytes(self) -> float | None:
-        """The memory the step held from the device: its reserved peak where known, else allocated."""
-        if self.peak_bytes is None:
-            return None
-        return max(self.peak_bytes, self.reserved_bytes or 0.0)
+        """`held_bytes` of the step; None for an out-of-memory shape."""
+        return None if self.peak_bytes is None else held_bytes(self.peak_bytes, self.reserved_bytes)
+
+    def needed_bytes(self, device_bytes: float) -> float:
+        """What the step needed at least: the memory it held, or all of the device (`device_bytes`)
+        where it ran out."""
+        return float(device_bytes) if self.used_bytes is None else self.used_bytes
 
     def to_dict(self) -> dict:
         doc = asdict(self)
@@ -158,8 +175,8 @@ class Verification:
     def costs(self, model, checkpointed_of: Mapping[int, int | None]) -> "MeasuredCosts":
         """`MeasuredCosts` over `model` from the shapes that fit at their bucket's depth in `checkpointed_of`
         (seq_len -> k of the table, None without a memory plan)."""
-        return MeasuredCosts(model, [m for m in self.shapes
-                                     if m.fits and int(m.seq_len) in checkpointed_of and m.checkpointed == checkpointed_of[m.seq_len]])
+        return MeasuredCosts(model, [m for m in self.shapes if m.fits and m.seq_len in checkpointed_of
+                                     and m.checkpointed == checkpointed_of[m.seq_len]])
 
     def to_dict(self) -> dict:
         return {"shapes": [m.to_dict() for m in self.shapes],

@@ -81,6 +81,7 @@ class Calibration:
         self.info, self.warn = info, warn
         self.every_block = None if switch is None else switch.num_blocks  # k of the cost model's points
         self.grid_checkpointed = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
+        self.device_bytes: int | None = None  # the smallest rank's device memory (run() measures it)
         self.memory: MemoryPlanResult | None = None  # the memory plan's part as it stands (refits update it)
         self.cached_verification: dict | None = None  # the "verification" of a cache this run reuses
 
@@ -88,6 +89,8 @@ class Calibration:
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
         start = time.perf_counter()
         config = self.config
+        # one number on every rank: the sweep's limit and verification's budget decide collectively
+        self.device_bytes = int(-self.runner.max_over_ranks(-device_memory_bytes(self.runner.device))[0])
         memory_terms = self._memory_terms() if self.switch is not None else None
         if config.cost_model_path is not None:  # every rank reads the same file
             self.info(f"CostModelCalibration: scheduling with the cost model {config.cost_model_path} as given; "
@@ -140,7 +143,7 @@ class Calibration:
         return sweep(self.runner, lambda s, b: self.datamodule.synthetic_batch(s, b), grid,
                      batch_sizes=config.batch_sizes, max_tokens=config.max_tokens, warmup=config.warmup,
                      repeats=repeats, time_budget_s=config.time_budget_s,
-                     memory_limit=config.max_memory_fraction * device_memory_bytes(self.runner.device),
+                     memory_limit=config.max_memory_fraction * self.device_bytes,
                      checkpointed=self.grid_checkpointed,
                      checkpointing=None if switch is None else switch.checkpointing, progress=self.info)
 
@@ -148,9 +151,8 @@ class Calibration:
         """The optimizer memory (the largest of the ranks', calibration/memory.py) and the device
         memory (the smallest of the ranks') the memory plan budgets with."""
         mine = optimizer_memory(self.optimizers)
-        state, params, negative_device = self.runner.max_over_ranks(mine.state_bytes, mine.param_bytes,
-                                                                    -device_memory_bytes(self.runner.device))
-        return OptimizerMemory(int(state), int(params), mine.rule), int(-negative_device)
+        state, params = self.runner.max_over_ranks(mine.state_bytes, mine.param_bytes)
+        return OptimizerMemory(int(state), int(params), mine.rule), self.device_bytes
 
     # ---- 2. fit ---------------------------------------------------------------------------------
     def _fit(self, points: list[dict], memory_terms: tuple[OptimizerMemory, int] | None
@@ -235,7 +237,7 @@ class Calibration:
                       "batch shapes: scheduled_batch_shapes())")
             return None, None
         device = self.runner.device
-        budget = self.config.max_memory_fraction * device_memory_bytes(device)
+        budget = self.config.max_memory_fraction * self.device_bytes
         prior, frozen = self._prior(budget)
         plan = _DataModulePlan(self, points, cost_model)
         with optimizer_state_present(self.optimizers, device) as state:
@@ -245,7 +247,7 @@ class Calibration:
             if state.step_peak_bytes is not None:
                 self.info(f"CostModelCalibration: the optimizer's first step peaked at {state.step_peak_bytes / 2**30:.2f} "
                           f"GiB and its state holds {state.state_bytes / 2**30:.2f} GiB; every shape below runs with it")
-            verifier = PlanVerifier(plan.measure, plan, budget_bytes=budget, device_bytes=device_memory_bytes(device),
+            verifier = PlanVerifier(plan.measure, plan, budget_bytes=budget, device_bytes=self.device_bytes,
                                     num_blocks=None if self.switch is None else self.switch.num_blocks,
                                     max_rounds=self.config.verify_rounds, progress=self.info)
             outcome = verifier.run(prior, frozen)
@@ -259,7 +261,6 @@ class Calibration:
                       f"{self.config.verify_rounds} re-plans and were settled on their safest measured batch "
                       f"({', '.join(map(str, outcome.settled))} tokens); nothing is cached")
         return outcome, state
-
 
     def _prior(self, budget: float) -> tuple[Verification | None, bool]:
         """(the verification to start from, frozen): a resumed fit's, frozen (its epoch plan rests on it),

@@ -338,7 +338,6 @@ class PlanVerifier:
         self.plan.apply(self._verification())
         return tuple(settled)
 
-
     def _safe_candidates(self, seq_len: int, target: ScheduledShape) -> list[ScheduledShape]:
         """Every block checkpointed, at the largest B the scaled prediction fits in the budget, then at
         B = 1 (the least memory a sample of the bucket can need)."""

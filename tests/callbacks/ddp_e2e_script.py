@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))  # examples/ is not an installed package
 from examples.video_dit.module import VideoDiTModule  # noqa: E402
 from lightning_adaptiveload.callbacks import CostModelCalibration, LoadBalanceMonitor  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from tests.helpers.resume import BatchKeyRecorder  # noqa: E402
 
 RESUME_AT = 3
 WATCHDOG_S = 150  # a hung collective ends the run with every thread's stack instead of stalling CI
@@ -43,23 +44,14 @@ def make_datamodule(out: Path) -> AdaptiveLoadDataModule:
                                   **DATA_KWARGS)
 
 
-class BatchRecorder(pl.Callback):
-    """Writes this rank's batch keys (one JSON line per batch) and the cost model it trains with."""
-
-    def __init__(self, out: Path, fit: str):
-        self.out, self.fit = out, fit
+class BatchRecorder(BatchKeyRecorder):
+    """This rank's batch keys (BatchKeyRecorder) and the cost model it trains with."""
 
     def on_train_start(self, trainer, pl_module):
         cm = trainer.datamodule.cost_model
         doc = {"form": cm.form, "params": cm.params, "p": cm.p, "m_mem": trainer.datamodule.m_mem,
                "num_training_batches": trainer.num_training_batches, "global_step": trainer.global_step}
         (self.out / f"calib_{self.fit}_rank{trainer.global_rank}.json").write_text(json.dumps(doc))
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        row = {"epoch": trainer.current_epoch, "step": trainer.global_step, "batch_idx": batch_idx,
-               "seq_len": int(batch["seq_len"]), "keys": list(batch["keys"])}
-        with open(self.out / f"keys_{self.fit}_rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 def fit(out: Path, name: str, ckpt_path: str | None = None) -> None:

@@ -20,13 +20,10 @@ from tests.callbacks.ddp_e2e_script import DATA_KWARGS, NUM_SAMPLES, RESUME_AT, 
 from lightning_adaptiveload.callbacks.monitor import CSV_NAME
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from tests.helpers.resume import read_batches
 
 TESTS = Path(__file__).resolve().parent
 FITS = ("first", "resumed", "reference")
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -51,7 +48,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_equal_steps_per_rank_and_resume_without_loss_or_repeat(run_dir):
-    keys = {(fit, r): _read_jsonl(run_dir / f"keys_{fit}_rank{r}.jsonl") for fit in FITS for r in (0, 1)}
+    keys = {(fit, r): read_batches(run_dir, fit, r) for fit in FITS for r in (0, 1)}
     meta = {(fit, r): json.loads((run_dir / f"calib_{fit}_rank{r}.json").read_text()) for fit in FITS for r in (0, 1)}
     epoch_steps = meta[("reference", 0)]["num_training_batches"]
     assert epoch_steps > RESUME_AT + 1, "the epoch must be long enough to checkpoint in its middle"
@@ -85,7 +82,7 @@ def test_calibration_identical_on_both_ranks_and_reused(run_dir):
     # each fit
     verified = {(m["batch_size"], m["seq_len"]) for m in calibration["verification"]["shapes"]}
     trained = {(len(b["keys"]), b["seq_len"]) for fit in ("reference",) for r in (0, 1)
-               for b in _read_jsonl(run_dir / f"keys_{fit}_rank{r}.jsonl")}
+               for b in read_batches(run_dir, fit, r)}
     assert verified >= trained and all(m["status"] == "fits" for m in calibration["verification"]["shapes"])
 
 
@@ -98,7 +95,7 @@ def test_monitor_rows_match_each_ranks_batches_and_the_measured_costs(run_dir):
         verification = json.loads((log_dir / "calibration.json").read_text())["verification"]
         measured = {(m["batch_size"], m["seq_len"]): m["warm_ms"] for m in verification["shapes"]}
         rows = _read_csv(log_dir / CSV_NAME)
-        recorded = {r: _read_jsonl(run_dir / f"keys_{fit}_rank{r}.jsonl") for r in (0, 1)}
+        recorded = {r: read_batches(run_dir, fit, r) for r in (0, 1)}
         steps = len(recorded[0])
         assert len(rows) == 2 * steps
         for i in range(steps):

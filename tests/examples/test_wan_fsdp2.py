@@ -122,6 +122,7 @@ def test_a_mid_epoch_fsdp2_checkpoint_resumes_without_repeating_or_losing_a_samp
     trains exactly the batches of an uninterrupted epoch, in the same order, each sample once."""
     from tests.examples.wan_fsdp2_resume_script import DATA_KWARGS, NUM_SAMPLES, RESUME_AT
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from tests.helpers.resume import read_batches
 
     # shards and index written once, here, so the two ranks never race to create them
     AdaptiveLoadDataModule(shards=str(tmp_path / "shards"), index=str(tmp_path / "index.jsonl"),
@@ -133,13 +134,10 @@ def test_a_mid_epoch_fsdp2_checkpoint_resumes_without_repeating_or_losing_a_samp
                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
-    def batches(fit, rank):
-        return [json.loads(line) for line in (tmp_path / f"keys_{fit}_rank{rank}.jsonl").read_text().splitlines()]
-
     assert (tmp_path / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt").is_dir()  # FSDP2 writes a sharded checkpoint
     trained = []
     for rank in (0, 1):
-        first, resumed, reference = (batches(fit, rank) for fit in ("first", "resumed", "reference"))
+        first, resumed, reference = (read_batches(tmp_path, fit, rank) for fit in ("first", "resumed", "reference"))
         assert len(first) == RESUME_AT and len(reference) > RESUME_AT + 1
         assert [b["keys"] for b in first + resumed] == [b["keys"] for b in reference]
         assert [b["step"] for b in resumed] == list(range(RESUME_AT, len(reference)))

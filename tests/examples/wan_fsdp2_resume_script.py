@@ -12,7 +12,6 @@ Usage: python tests/examples/wan_fsdp2_resume_script.py OUT_DIR
 from __future__ import annotations
 
 import faulthandler
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from examples.wan.module import WanModule  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from tests.helpers.resume import BatchKeyRecorder  # noqa: E402
 
 RESUME_AT = 3
 WATCHDOG_S = 300  # a hung collective ends the run with every thread's stack instead of stalling CI
@@ -42,20 +42,10 @@ def make_datamodule(out: Path) -> AdaptiveLoadDataModule:
                                   **DATA_KWARGS)
 
 
-class BatchRecorder(pl.Callback):
-    def __init__(self, out: Path, fit: str):
-        self.out, self.fit = out, fit
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        row = {"step": trainer.global_step, "keys": list(batch["keys"])}
-        with open(self.out / f"keys_{self.fit}_rank{trainer.global_rank}.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def fit(out: Path, name: str, ckpt_path: str | None = None) -> None:
     pl.seed_everything(0)
     module = WanModule(transformer_config=TINY, fsdp2_param_dtype="float32", shift_rule="fixed", shift=3.0)
-    callbacks = [BatchRecorder(out, name)]
+    callbacks = [BatchKeyRecorder(out, name)]
     if name == "first":
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=RESUME_AT, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,

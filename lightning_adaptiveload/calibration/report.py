@@ -13,9 +13,9 @@ import torch
 
 from lightning_adaptiveload._environment import ALLOCATOR_VARIABLES
 from lightning_adaptiveload.calibration.record import FORMAT, INFEASIBLE, VERSION
-from lightning_adaptiveload.calibration.result import CalibrationResult
-from lightning_adaptiveload.scheduling.model_io import write_json
+from lightning_adaptiveload.calibration.result import CalibrationResult, Source
 from lightning_adaptiveload.calibration.plot import plot_fit
+from lightning_adaptiveload.scheduling.model_io import write_json
 
 
 def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
@@ -114,7 +114,8 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
                      + (f"{p['time_ms']:>10.2f} {predicted} {p['peak_bytes'] / 2**20:>10.1f}" if ok
                         else f"{'':>10} {'':>10} {'':>10}")
                      + f"  {p['status']}")
-    source = {"cache": " (from cache)", "checkpoint": " (from checkpoint)", "given": " (given)"}.get(result.source.value, "")
+    source = {Source.CACHE: " (from cache)", Source.CHECKPOINT: " (from checkpoint)", Source.GIVEN: " (given)"}.get(
+        result.source, "")
     if cost_model is not None:
         q = cost_model.quality
         lines.append(f"cost model {cost_model!r}; mean rel err {q['mean_rel_err']:.1%}, held-out {q['heldout_mean_rel_err']:.1%}; "
@@ -159,7 +160,7 @@ def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:
     out = {"calibration/points": float(len(doc["measurements"])),
            "calibration/infeasible": float(sum(p["status"] in INFEASIBLE for p in result.points)),
            "calibration/seconds": doc["seconds"], "calibration/trusted": float(result.trusted),
-           "calibration/from_cache": float(result.source.value == "cache"),
+           "calibration/from_cache": float(result.source is Source.CACHE),
            "calibration/verify_seconds": doc["verify_seconds"]}
     if result.verification is not None:
         shapes = result.verification.verification.shapes

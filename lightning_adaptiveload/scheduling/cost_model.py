@@ -25,8 +25,8 @@ from scipy.optimize import least_squares, nnls
 
 from lightning_adaptiveload._validation import require_choice, require_int, require_number
 from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS, check_measurements, fit_quality, folds, rel_err
-from lightning_adaptiveload.scheduling.model_io import (check_form, check_header, check_params, check_quality,
-                                                        nan_to_none, read_json, write_json)
+from lightning_adaptiveload.scheduling.model_io import (JsonDocument, check_form, check_header, check_params,
+                                                        check_quality, nan_to_none, read_json)
 
 FORMAT = "adaptiveload.cost_model"
 VERSION = 1
@@ -141,7 +141,7 @@ def _fit_form(form: str, b, s, t) -> tuple[dict, dict]:
     return params, fit_quality(pred, t, heldout)
 
 
-class CostModel:
+class CostModel(JsonDocument):
     """A fitted step-time model t(B, S) in ms. See the module docstring for the forms."""
 
     def __init__(self, form: str, params: dict, p: float, quality: dict, candidates: dict | None = None):
@@ -225,14 +225,10 @@ class CostModel:
             "quality": nan_to_none(self.quality),
         }
 
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON (see docs/cost_model.md for the format)."""
-        write_json(path, self.to_dict())
-
     @classmethod
-    def from_json(cls, path) -> "CostModel":
-        """Read a model written by to_json; ValueError naming the file for anything malformed."""
-        return model_from_doc(read_json(path), str(path))
+    def from_dict(cls, doc, where: str = "cost model") -> "CostModel":
+        """The model of a `to_dict` document; ValueError naming `where` for anything malformed."""
+        return model_from_doc(doc, where)
 
 
 def model_from_doc(doc, where: str) -> CostModel:

@@ -8,8 +8,8 @@ import numpy as np
 from lightning_adaptiveload._validation import is_finite_number, require_int
 from lightning_adaptiveload.scheduling.cost_model import CostModel, model_from_doc
 from lightning_adaptiveload.scheduling.fitting import check_checkpointed, check_measurements, rel_err
-from lightning_adaptiveload.scheduling.model_io import (check_header, check_json_int, check_quality, nan_to_none,
-                                                        read_json, write_json)
+from lightning_adaptiveload.scheduling.model_io import (JsonDocument, check_header, check_json_int, check_quality,
+                                                        nan_to_none)
 
 DEPTH_FORMAT = "adaptiveload.depth_cost_model"
 DEPTH_VERSION = 1
@@ -22,7 +22,7 @@ def _recompute_fraction(u: np.ndarray, ratio: np.ndarray) -> float:
     return float(np.clip(np.sum(w2 * u * (1.0 - ratio)) / np.sum(w2 * u * u), 0.0, 1.0))
 
 
-class DepthCostModel:
+class DepthCostModel(JsonDocument):
     """Step time t(B, S, k) ms when k of the model's L switchable blocks are checkpointed:
 
         t(B, S, k) = t_L(B, S) * (1 - g * (L - k) / L)
@@ -112,15 +112,6 @@ class DepthCostModel:
             "quality": nan_to_none(self.quality),
             "base": self.base.to_dict(),
         }
-
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON (to_dict)."""
-        write_json(path, self.to_dict())
-
-    @classmethod
-    def from_json(cls, path) -> "DepthCostModel":
-        """Read a model written by to_json; ValueError naming the file for anything malformed."""
-        return cls.from_dict(read_json(path), str(path))
 
     @classmethod
     def from_dict(cls, doc, where: str = "depth cost model") -> "DepthCostModel":

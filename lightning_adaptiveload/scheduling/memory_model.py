@@ -43,8 +43,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from lightning_adaptiveload.scheduling.fitting import QUALITY_KEYS, check_checkpointed, fit_quality, folds, positive_1d, rel_err
-from lightning_adaptiveload.scheduling.model_io import (check_form, check_header, check_json_int, check_params,
-                                                        check_quality, nan_to_none, read_json, write_json)
+from lightning_adaptiveload.scheduling.model_io import (JsonDocument, check_form, check_header, check_json_int,
+                                                        check_params, check_quality, nan_to_none)
 from lightning_adaptiveload._validation import require_choice, require_int
 
 FORMAT = "adaptiveload.memory_model"
@@ -121,7 +121,7 @@ def _check_measurements(batch_sizes, seq_lens, checkpointed, peak_bytes, num_blo
     return b, s, k, peak
 
 
-class MemoryModel:
+class MemoryModel(JsonDocument):
     """A fitted peak-memory model peak(B, S, k) in bytes. See the module docstring for the form."""
 
     def __init__(self, form: str, params: dict, num_blocks: int, quality: dict | None = None,
@@ -249,15 +249,6 @@ class MemoryModel:
             "params": self.params,
             "quality": nan_to_none(self.quality),
         }
-
-    def to_json(self, path) -> None:
-        """Write the model as plain JSON (docs/memory.md)."""
-        write_json(path, self.to_dict())
-
-    @classmethod
-    def from_json(cls, path) -> "MemoryModel":
-        """Read a model written by to_json; ValueError naming the file for anything malformed."""
-        return cls.from_dict(read_json(path), str(path))
 
     @classmethod
     def from_dict(cls, doc, where: str = "memory model") -> "MemoryModel":

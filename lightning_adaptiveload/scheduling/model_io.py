@@ -1,5 +1,5 @@
-"""The fitted models' JSON documents: one checked reader, one atomic writer, and the checks of a
-document's fields that CostModel, DepthCostModel and MemoryModel share (each check names the
+"""The fitted models' JSON documents: one checked reader, one atomic writer, the `JsonDocument`
+mixin over them, and the checks of a document's fields that CostModel, DepthCostModel and MemoryModel share (each check names the
 file and the field, so a bad file is an error that says where).
 
 Calibration writes its record and cache with `write_json` too: a reader (another rank, another job
@@ -45,6 +45,20 @@ def write_json(path, doc: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class JsonDocument:
+    """The fitted models' `to_json` / `from_json`, over the class's own `to_dict()` and
+    `from_dict(doc, where)` (the format of each: docs/cost_model.md, docs/memory.md)."""
+
+    def to_json(self, path) -> None:
+        """Write `to_dict()` as plain JSON (write_json: atomic)."""
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json(cls, path):
+        """Read a model written by to_json; ValueError naming the file for anything malformed."""
+        return cls.from_dict(read_json(path), str(path))
 
 
 def nan_to_none(values: dict) -> dict:

@@ -27,6 +27,7 @@ import re
 import uuid
 from pathlib import Path
 
+from lightning_adaptiveload._jsonl import iter_objects
 from lightning_adaptiveload.data.index import build_index, scan_shard
 from lightning_adaptiveload.data.shards import BadSample, inspect_sample
 from lightning_adaptiveload.scheduling.model_io import write_json
@@ -44,26 +45,13 @@ def shard_name(rank: int, number: int) -> str:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The JSON objects of a JSONL file this module appends to. A last line without its newline
-    was being written when the process was killed and is left out; any other line that is not a
-    JSON object is an error naming `path:line`."""
+    """The JSON objects of a JSONL file this module appends to ([] if it does not exist); a torn
+    last line (`_append` killed mid-write) is left out, any other line that is not a JSON object is
+    an error naming `path:line`."""
     try:
-        data = path.read_bytes()
+        return [record for _, record in iter_objects(path, torn_tail=True)]
     except FileNotFoundError:
         return []
-    lines = data.split(b"\n")
-    records = []
-    for line_no, line in enumerate(lines[:-1], start=1):  # lines[-1]: after the last newline (b"" or torn)
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); the file was changed by hand?") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{line_no}: expected a JSON object")
-        records.append(record)
-    return records
 
 
 def _append(f, record: dict) -> None:

@@ -8,6 +8,9 @@ A shard is a plain tar (WebDataset layout). One sample is the tar members sharin
                        optional "caption"}
 - `<key>.text.npy`    optional (L, D_text) float16/float32 text embedding
 
+Beside the shards, `empty_prompt.text.npy` (optional) holds the text encoder's output for the empty
+prompt, what caption dropout trains on (`write_empty_prompt`, `read_empty_prompt`).
+
 Keys hold no dots: WebDataset splits a member name at the first dot of its basename.
 Decoding never unpickles: `.npy` via np.load(allow_pickle=False), `.pth` via
 torch.load(weights_only=True), JSON via json.loads; other members are ignored.
@@ -142,6 +145,39 @@ def write_shard(path: str | Path, samples) -> int:
                 tar.addfile(info, io.BytesIO(files[suffix]))
             count += 1
     return count
+
+
+EMPTY_PROMPT_FILE = "empty_prompt.text.npy"  # beside the shards: the text encoder's output for ""
+
+
+def write_empty_prompt(folder: str | Path, embedding: np.ndarray) -> Path:
+    """Write the empty prompt's (L, D_text) float16/float32 text embedding to `folder`/EMPTY_PROMPT_FILE
+    (atomically), what caption dropout trains on in place of a caption; returns the path."""
+    embedding = np.asarray(embedding)
+    if embedding.ndim != 2 or embedding.dtype not in NPY_DTYPES or not np.isfinite(embedding).all():
+        raise ValueError(f"empty prompt embedding must be a finite float16/float32 (L, D_text) array, got "
+                         f"{embedding.dtype} {embedding.shape}")
+    path = Path(folder) / EMPTY_PROMPT_FILE
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(_npy_bytes(embedding))
+    os.replace(partial, path)
+    return path
+
+
+def read_empty_prompt(path: str | Path) -> np.ndarray:
+    """The (L, D_text) empty-prompt embedding at `path` (a file, or a folder holding EMPTY_PROMPT_FILE);
+    ValueError naming the file when it is missing, unreadable or not a finite 2-D float array."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / EMPTY_PROMPT_FILE
+    try:
+        array = _load_npy(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the empty prompt's embedding ({e})") from None
+    if array.ndim != 2 or array.dtype not in NPY_DTYPES or not np.isfinite(array).all():
+        raise ValueError(f"{path}: the empty prompt's embedding must be a finite float16/float32 (L, D_text) array, "
+                         f"got {array.dtype} {array.shape}")
+    return array
 
 
 # --- decoding and validation ---------------------------------------------------------------

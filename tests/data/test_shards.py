@@ -336,3 +336,21 @@ def test_no_pickle_payload_runs(tmp_path, capsys):
     with pytest.raises(BadSample):
         decode_sample("k", {"json": b'{"latent_shape": [1, 2, 2]}', "latent.npy": buf.getvalue()}, **DECODE)
     assert "pwned" not in capsys.readouterr().out
+
+
+def test_empty_prompt_round_trip_and_errors(tmp_path):
+    from lightning_adaptiveload.data.shards import EMPTY_PROMPT_FILE, read_empty_prompt, write_empty_prompt
+
+    embedding = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float16)
+    path = write_empty_prompt(tmp_path, embedding)
+    assert path == tmp_path / EMPTY_PROMPT_FILE
+    np.testing.assert_array_equal(read_empty_prompt(tmp_path), embedding)
+    np.testing.assert_array_equal(read_empty_prompt(path), embedding)
+    with pytest.raises(ValueError, match="finite float16/float32"):
+        write_empty_prompt(tmp_path, np.full((1, 4), np.nan, dtype=np.float32))
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ValueError, match="cannot read"):
+        read_empty_prompt(tmp_path / "bad")
+    np.save(tmp_path / "bad" / EMPTY_PROMPT_FILE, np.zeros(4, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"\(4,\)"):
+        read_empty_prompt(tmp_path / "bad")

@@ -74,9 +74,11 @@ setup(
         "diffusers": ["diffusers>=0.32"],
         # `adaptiveload encode`: PyAV decodes videos (FFmpeg in its wheels), diffusers has the Wan VAE
         # (AutoencoderKLWan, 0.33+), transformers the UMT5 encoder; sentencepiece reads a tokenizer
-        # saved as spiece.model only (Wan's diffusers folders also ship tokenizer.json)
+        # saved as spiece.model only (Wan's diffusers folders also ship tokenizer.json), and under
+        # transformers 5 converting it needs protobuf. ftfy is optional (captions are fixed with it
+        # if installed, as Wan's pipelines do): `pip install ftfy`
         "encode": ["av>=12", "diffusers>=0.33", "transformers>=4.46", "tokenizers>=0.20", "sentencepiece>=0.2",
-                   "pillow>=9"],
+                   "protobuf>=3.20", "pillow>=9"],
     },
     entry_points={"console_scripts": ["adaptiveload=lightning_adaptiveload.cli:main"]},
     **cuda_extension_kwargs(),

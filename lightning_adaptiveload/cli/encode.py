@@ -2,19 +2,27 @@
 latent shards and an index for AdaptiveLoadDataModule(shards=DIR, index=DIR/index.jsonl).
 
 INPUT is a folder (videos mp4/webm/mov/mkv/avi and images jpg/jpeg/png/webp, each with its
-caption in a .txt of the same name beside it), a JSONL manifest ({"path": ..., "caption": ...}
-a line, paths relative to the manifest), or WebDataset tars (media + txt or json caption).
+caption in a .txt of the same name beside it; other files are counted as ignored), a JSONL
+manifest ({"path": ..., "caption": ...} a line, paths relative to the manifest), WebDataset tars
+(media + txt or json caption), or video/image files (a .txt caption beside each).
 
-Each clip is resampled to --fps by timestamps, resized and center-cropped to the nearest bucket
-of the grid (--buckets; default the reference mix: 1, 17, ..., 81 frames at 256x448 to 720x1280,
-images at 256x256 to 720x1280), cut to the largest frame bucket it fills (Wan's rule: F = 4k + 1
-frames, latent T = 1 + (F - 1) / 4); longer clips give several windows (--long windows) or their
-first (--long trim). Latents come from the Wan VAE (diffusers AutoencoderKLWan, normalized with
-its latents_mean/std), captions from UMT5 (transformers), weights from local folders only.
+Each clip is resampled to --fps by timestamps, resized and center-cropped to the bucket of the
+grid nearest its aspect ratio (--buckets; default: 1, 17, ..., 81 frames at landscape, portrait
+and square sizes: 256x448, 448x256, 336x336, Wan's 480x832, 832x480, 720x1280, 1280x720, and
+624x624, 960x960), the largest needing no upscaling on either axis; a source that would lose more
+than --max-crop of its frame or be upscaled more than --max-upscale is a bad input. It is cut to
+the largest frame bucket it fills (Wan's rule: F = 4k + 1 frames, latent T = 1 + (F - 1) / 4);
+longer clips give several windows (--long windows) or their first (--long trim). Latents come
+from the Wan VAE (diffusers AutoencoderKLWan, normalized with its latents_mean/std), captions
+(cleaned as Wan's pipelines clean prompts) from UMT5 (transformers), weights from local folders
+only; DIR/empty_prompt.text.npy holds the empty prompt's embedding (for caption dropout).
 
-Bad inputs (missing file or caption, zero bytes, undecodable, too short, no bucket, NaN latent)
-are skipped, counted by reason and listed in DIR/bad.jsonl. Rerun the same command to resume:
-shards already written are checked and kept, a half-written one is rewritten. Several processes
+Bad inputs (missing file or caption, zero bytes, undecodable, too short, too small, far aspect,
+no bucket, NaN latent) are skipped, counted by reason and listed in DIR/bad.jsonl; frames left
+out, clips trimmed, inputs upscaled and ignored files are counted in the progress bar, the last
+line and DIR/encode_summary.json. Rerun the same command to resume: shards already written are
+checked (with --check full, every member's crc32) and kept, a damaged or half-written one is
+rewritten. Several processes
 (torchrun, or --rank/--world-size) each encode the inputs hashing to them into their own shards;
 the last to finish builds DIR/index.jsonl (or run `adaptiveload encode --finalize --out DIR`).
 Needs `pip install "lightning-adaptiveload[encode]"`. Exit status 1 if no sample was written,
@@ -23,7 +31,6 @@ Needs `pip install "lightning-adaptiveload[encode]"`. Exit status 1 if no sample
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from lightning_adaptiveload.cli.plan import run_with_clear_errors
@@ -48,6 +55,12 @@ def register(subparsers) -> None:
                                                                "the source's frames")
     shape.add_argument("--long", choices=("windows", "trim"), default="windows",
                        help="clips longer than the largest frame bucket: consecutive windows (default) or the first")
+    shape.add_argument("--max-crop", type=float, default=0.3,
+                       help="a source whose nearest bucket would crop away more than this fraction of its frame is "
+                            "a bad input, bad_aspect (default 0.3; 1: never)")
+    shape.add_argument("--max-upscale", type=float, default=2.0,
+                       help="a source that would be upscaled more than this factor to its bucket is a bad input, "
+                            "too_small (default 2)")
     shape.add_argument("--patch", type=int, nargs=3, default=(1, 2, 2), metavar=("PT", "PH", "PW"),
                        help="DiT patch: buckets must be whole patches; tokens column of the index")
     enc = p.add_argument_group("encoding")
@@ -66,8 +79,8 @@ def register(subparsers) -> None:
     run_ = p.add_argument_group("output, resume and ranks")
     run_.add_argument("--samples-per-shard", type=int, default=64)
     run_.add_argument("--check", choices=("full", "headers"), default="full",
-                      help="resume: decode and validate every sample of the shards found (full), or check their "
-                           "size and tar headers only")
+                      help="resume: check every member's crc32 and decode and validate every sample of the shards "
+                           "found (full), or check their size and tar headers only")
     run_.add_argument("--rank", type=int, help="this process's rank (default: $RANK, else 0)")
     run_.add_argument("--world-size", type=int, help="processes sharing the inputs (default: $WORLD_SIZE, else 1)")
     run_.add_argument("--no-finalize", action="store_true", help="do not build the index when all ranks are done")
@@ -86,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lightning_adaptiveload.encode.pipeline import encode_videos, finalize_encode  # torch: not at `--help`
+    # torch: imported here, not at --help
+    from lightning_adaptiveload.encode.pipeline import encode_videos, finalize_encode, summary_line
 
     if args.finalize:
         summary = finalize_encode(args.out, check=args.check, progress=not args.no_progress)
-        print(f"indexed {summary['samples']} samples of {summary['shards']} shards -> {summary['index']}; "
-              f"bad inputs: {summary['bad_inputs']} {json.dumps(summary['bad_by_reason'])}")
+        print(summary_line(summary))
         return 0 if summary["samples"] else 1
     if not args.inputs:
         raise ValueError("give the inputs to encode (a folder, a JSONL manifest or tars), or --finalize")
@@ -108,5 +121,6 @@ def _run(args: argparse.Namespace) -> int:
                            patch=tuple(args.patch), rank=args.rank, world_size=args.world_size,
                            finalize_index=not args.no_finalize, check=args.check, num_workers=args.num_workers,
                            device=args.device, precision=args.precision, tile_above=args.tile_above,
-                           seed=args.seed, progress=not args.no_progress)
+                           seed=args.seed, max_crop=args.max_crop, max_upscale=args.max_upscale,
+                           progress=not args.no_progress)
     return 0 if result.samples + result.resumed else 1

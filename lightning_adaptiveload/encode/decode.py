@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_adaptiveload.encode._optional import require
-from lightning_adaptiveload.encode.grid import (LONG_CLIPS, Bucket, choose_resolution, fill_bucket, frame_buckets,
-                                                resolutions)
+from lightning_adaptiveload.encode.grid import (LONG_CLIPS, MAX_CROP, MAX_UPSCALE, Bucket, Fit, choose_resolution,
+                                                fill_bucket, frame_buckets, resolutions)
 from lightning_adaptiveload.encode.inputs import BadInput, InputItem, read_caption, read_media
 
 _EPS = 1e-6  # seconds: timestamps are rationals rounded to floats; this keeps t_k == start on the right side
@@ -32,7 +32,8 @@ _EPS = 1e-6  # seconds: timestamps are rationals rounded to floats; this keeps t
 @dataclass
 class Window:
     """One sample's pixels: `frames` (F, height, width, 3) uint8 RGB, window `index` of its input;
-    `meta` goes into the sample's JSON (frames, height, width, fps, start_s, source_size, kind)."""
+    `meta` goes into the sample's JSON (frames, height, width, fps, start_s, source_size, scale, crop,
+    kind)."""
 
     item: InputItem
     index: int
@@ -42,12 +43,16 @@ class Window:
 
 @dataclass
 class Finished:
-    """Every window of `item` was produced; `tail_frames` frames at its end fit no bucket and were left out."""
+    """Every window of `item` was produced. What was cut: `tail_frames` frames at its end fit no
+    bucket and were left out; `trimmed`: frames after its first window were left out (long="trim");
+    `scale`: the resize factor of its frames (> 1: upscaled)."""
 
     item: InputItem
     caption: str
     windows: int
     tail_frames: int = 0
+    trimmed: bool = False
+    scale: float = 1.0
 
 
 @dataclass
@@ -62,11 +67,15 @@ class Rejected:
 @dataclass(frozen=True)
 class DecodePlan:
     """How inputs become windows: the bucket grid, the target frame rate (None: keep the source's
-    frames, no resampling), and what to do with clips longer than the largest frame bucket."""
+    frames, no resampling), what to do with clips longer than the largest frame bucket, and the
+    most a source may be cropped (fraction of its frame cut away) or upscaled (factor per axis)
+    to fit its bucket: beyond either it is a bad input ("bad_aspect", "too_small")."""
 
     grid: list[Bucket]
     fps: float | None = 16.0
     long: str = "windows"
+    max_crop: float = MAX_CROP
+    max_upscale: float = MAX_UPSCALE
     video_resolutions: list[tuple[int, int]] = field(init=False)
     image_resolutions: list[tuple[int, int]] = field(init=False)
 
@@ -75,6 +84,10 @@ class DecodePlan:
             raise ValueError(f"long must be one of {LONG_CLIPS}, got {self.long!r}")
         if self.fps is not None and not self.fps > 0:
             raise ValueError(f"fps must be > 0 or None, got {self.fps!r}")
+        if not 0 <= self.max_crop <= 1:
+            raise ValueError(f"max_crop must be in [0, 1] (a fraction of the frame), got {self.max_crop!r}")
+        if not self.max_upscale >= 1:
+            raise ValueError(f"max_upscale must be >= 1 (a scale factor), got {self.max_upscale!r}")
         object.__setattr__(self, "video_resolutions", resolutions(self.grid, video=True))
         object.__setattr__(self, "image_resolutions", resolutions(self.grid, video=False))
 
@@ -121,6 +134,23 @@ def resample_by_time(timed: Iterable[tuple[float, float | None, object]], fps: f
             k += 1
 
 
+def fit_source(item: InputItem, plan: DecodePlan, height: int, width: int, video: bool) -> Fit:
+    """The bucket resolution of a `height` x `width` source (`choose_resolution`), or BadInput
+    "bad_aspect" when it would crop away more than plan.max_crop of the frame (no bucket of about
+    its aspect ratio) or "too_small" when it would be upscaled more than plan.max_upscale."""
+    fit = choose_resolution(height, width, plan.video_resolutions if video else plan.image_resolutions)
+    bucket = f"{fit.resolution[0]}x{fit.resolution[1]}"
+    if fit.crop > plan.max_crop + 1e-9:
+        raise BadInput("bad_aspect", f"{item.where}: {height}x{width} (aspect {width / height:.2f}) is far from every "
+                       f"bucket: the nearest, {bucket}, would crop away {fit.crop:.0%} of the frame, more than the "
+                       f"allowed {plan.max_crop:.0%} (max_crop; add a bucket of its aspect to the grid)")
+    if fit.scale > plan.max_upscale + 1e-9:
+        raise BadInput("too_small", f"{item.where}: {height}x{width} would be upscaled {fit.scale:.2f}x to the "
+                       f"smallest bucket of its aspect, {bucket}, more than the allowed {plan.max_upscale:g}x "
+                       f"(max_upscale; add a smaller bucket to the grid)")
+    return fit
+
+
 class _WindowCutter:
     """Frames at the target rate in, windows out: resolution chosen from the first frame's size,
     frames resized as they arrive, a window of the largest frame bucket emitted whenever one is
@@ -130,7 +160,8 @@ class _WindowCutter:
     def __init__(self, item: InputItem, plan: DecodePlan, height: int, width: int, fps: float | None):
         self.item, self.plan, self.fps = item, plan, fps
         self.source_size = [int(height), int(width)]
-        self.resolution = choose_resolution(height, width, plan.video_resolutions)
+        self.fit = fit_source(item, plan, height, width, video=True)
+        self.resolution = self.fit.resolution
         self.frames = frame_buckets(plan.grid, self.resolution, video=True)
         self.buffer: list[torch.Tensor] = []
         self.start_s: float | None = None
@@ -152,14 +183,16 @@ class _WindowCutter:
     def _window(self, n: int) -> Window:
         height, width = self.resolution
         meta = {"kind": "video", "frames": n, "height": height, "width": width, "fps": self.fps,
-                "start_s": round(self.start_s, 6), "source_size": self.source_size}
+                "start_s": round(self.start_s, 6), "source_size": self.source_size,
+                "scale": round(self.fit.scale, 4), "crop": round(self.fit.crop, 4)}
         window = Window(self.item, self.windows, torch.stack(self.buffer[:n]), meta)
         self.buffer, self.windows = [], self.windows + 1
         return window
 
-    def finish(self, caption: str) -> Iterator[Window | Finished]:
-        """The last window (the frames left, in the largest bucket they fill), then Finished.
-        BadInput "too_short" when the clip fills no bucket at all."""
+    def finish(self, caption: str, trimmed: bool) -> Iterator[Window | Finished]:
+        """The last window (the frames left, in the largest bucket they fill), then Finished
+        (`trimmed`: frames were left after the window long="trim" keeps). BadInput "too_short"
+        when the clip fills no bucket at all."""
         left = len(self.buffer)
         n = fill_bucket(left, self.frames) if left else None
         if n is not None:
@@ -169,7 +202,7 @@ class _WindowCutter:
             raise BadInput("too_short", f"{self.item.where}: {left} frames at "
                            f"{'the source rate' if self.plan.fps is None else f'{self.plan.fps:g} fps'}, the "
                            f"smallest frame bucket at {self.resolution[0]}x{self.resolution[1]} is {self.frames[0]}")
-        yield Finished(self.item, caption, self.windows, left)
+        yield Finished(self.item, caption, self.windows, left, trimmed, self.fit.scale)
 
 
 def _video_windows(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finished]:
@@ -188,7 +221,7 @@ def _video_windows(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finis
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         rate = float(stream.average_rate) if stream.average_rate else None
-        cutter, last, resized = None, None, None
+        cutter, last, resized, trimmed = None, None, None, False
         try:
             timed = _timed_frames(container, stream, rate)
             frames = ((t, f) for t, _, f in timed) if plan.fps is None else \
@@ -201,12 +234,15 @@ def _video_windows(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finis
                     resized = resize_center_crop(frame.to_ndarray(format="rgb24"), *cutter.resolution)
                 yield from cutter.add(t, resized)
                 if cutter.done:
+                    trimmed = next(frames, None) is not None  # one more frame decoded: was anything cut?
                     break
+        except BadInput:  # a ValueError too: not an undecodable file
+            raise
         except (av.FFmpegError, OSError, ValueError) as e:
             raise BadInput("undecodable", f"{item.where}: decoding failed: {e}") from None
     if cutter is None:
         raise BadInput("undecodable", f"{item.where}: no frames decoded")
-    yield from cutter.finish(caption)
+    yield from cutter.finish(caption, trimmed)
 
 
 def _timed_frames(container, stream, rate: float | None) -> Iterator[tuple[float, float | None, object]]:
@@ -235,11 +271,13 @@ def _image_window(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finish
             pixels = np.array(image)  # a copy: Pillow's buffer is read-only
     except (OSError, ValueError, image_module.DecompressionBombError) as e:  # UnidentifiedImageError is an OSError
         raise BadInput("unreadable_image", f"{item.where}: {type(e).__name__}: {e}") from None
-    height, width = plan_resolution = choose_resolution(pixels.shape[0], pixels.shape[1], plan.image_resolutions)
+    fit = fit_source(item, plan, pixels.shape[0], pixels.shape[1], video=False)
+    height, width = fit.resolution
     meta = {"kind": "image", "frames": 1, "height": height, "width": width, "fps": None, "start_s": 0.0,
-            "source_size": [int(pixels.shape[0]), int(pixels.shape[1])]}
-    yield Window(item, 0, resize_center_crop(pixels, *plan_resolution)[None], meta)
-    yield Finished(item, caption, 1)
+            "source_size": [int(pixels.shape[0]), int(pixels.shape[1])], "scale": round(fit.scale, 4),
+            "crop": round(fit.crop, 4)}
+    yield Window(item, 0, resize_center_crop(pixels, height, width)[None], meta)
+    yield Finished(item, caption, 1, scale=fit.scale)
 
 
 def decode_item(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finished | Rejected]:

@@ -17,9 +17,17 @@ from lightning_adaptiveload._jsonl import iter_objects
 from lightning_adaptiveload._validation import require_int
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
-REFERENCE_MIX = Path(__file__).resolve().parents[1] / "data" / "reference_mix.jsonl"
 LONG_CLIPS = ("windows", "trim")  # a clip longer than the largest frame bucket: cut into windows, or keep its start
 ASPECT_TOLERANCE = 0.05  # |log aspect| differences within this of the nearest count as equally near (about 5 %)
+MAX_CROP = 0.3     # default: a source whose nearest bucket would crop away more of its frame is a bad input
+MAX_UPSCALE = 2.0  # default: a source that would be enlarged more than this (per axis) is a bad input
+
+# (height, width) of the default grid, three tiers of about equal area each: Wan 2.1's own sizes
+# 480x832 / 832x480 and 720x1280 / 1280x720 (landscape and portrait), squares of the same area
+# (624x624, 960x960), and the reference mix's 256x448 tier with its portrait and square.
+DEFAULT_RESOLUTIONS = ((256, 448), (448, 256), (336, 336), (480, 832), (832, 480), (624, 624),
+                       (720, 1280), (1280, 720), (960, 960))
+DEFAULT_FRAMES = (1, 17, 33, 49, 65, 81)  # images, and clips of 1 to 5 s at 16 fps (Wan 2.1: 81 frames)
 
 
 class Bucket(NamedTuple):
@@ -71,12 +79,35 @@ def check_grid(buckets, spec: TokenSpec = TokenSpec(), where: str = "bucket grid
     return grid
 
 
-def choose_resolution(height: int, width: int, resolutions, tolerance: float = ASPECT_TOLERANCE) -> tuple[int, int]:
-    """The (height, width) of `resolutions` a source of `height` x `width` pixels is resized and
-    center-cropped to: of those whose aspect ratio is nearest the source's (|log(w/h)| distance,
-    within `tolerance` of the nearest), the largest that needs no upscaling (area <= the source's),
-    or the smallest if all would upscale. Nearest aspect first keeps the crop small; the size rule
-    keeps a 480p clip at 480p instead of blowing it up to a 720p bucket of about the same aspect."""
+DEFAULT_GRID = sorted(Bucket(f, h, w) for f in DEFAULT_FRAMES for h, w in DEFAULT_RESOLUTIONS)
+
+
+class Fit(NamedTuple):
+    """How a source of (height, width) pixels goes into `resolution`: scaled by `scale` (one factor
+    for both axes, the smallest that covers the bucket: max(bucket h / h, bucket w / w); > 1 is an
+    upscale), then center-cropped along one axis, cutting away the fraction `crop` of the scaled
+    frame (0: same aspect ratio)."""
+
+    resolution: tuple[int, int]
+    scale: float
+    crop: float
+
+
+def fit_resolution(height: int, width: int, resolution: tuple[int, int]) -> Fit:
+    """The `Fit` of a `height` x `width` source into `resolution` (height, width)."""
+    scale = max(resolution[0] / height, resolution[1] / width)
+    return Fit(tuple(resolution), scale, 1.0 - resolution[0] * resolution[1] / (scale * scale * height * width))
+
+
+def choose_resolution(height: int, width: int, resolutions, tolerance: float = ASPECT_TOLERANCE) -> Fit:
+    """The `Fit` of the (height, width) of `resolutions` a source of `height` x `width` pixels is
+    resized and center-cropped to: of those whose aspect ratio is nearest the source's (|log(w/h)|
+    distance, within `tolerance` of the nearest), the largest (by area) that needs no upscaling on
+    either axis (bucket height <= height and bucket width <= width), or, if every one would
+    upscale, the one that upscales least. Nearest aspect first keeps the crop small (a portrait
+    clip goes to a portrait bucket when the grid has one); the per-axis size rule keeps a 480p clip
+    at 480p instead of blowing it up to a 720p bucket of about the same aspect. Whether the crop or
+    the upscale is acceptable is the caller's call (`MAX_CROP`, `MAX_UPSCALE`)."""
     if height < 1 or width < 1:
         raise ValueError(f"source size must be positive, got {height}x{width}")
     resolutions = sorted(set(resolutions))
@@ -85,11 +116,11 @@ def choose_resolution(height: int, width: int, resolutions, tolerance: float = A
     target = math.log(width / height)
     distance = {r: abs(math.log(r[1] / r[0]) - target) for r in resolutions}
     best = min(distance.values())
-    near = [r for r in resolutions if distance[r] <= best + tolerance]
-    fits = [r for r in near if r[0] * r[1] <= height * width]
+    near = [fit_resolution(height, width, r) for r in resolutions if distance[r] <= best + tolerance]
+    fits = [f for f in near if f.scale <= 1.0]
     if fits:
-        return max(fits, key=lambda r: (r[0] * r[1], -distance[r]))
-    return min(near, key=lambda r: (r[0] * r[1], distance[r]))
+        return max(fits, key=lambda f: (f.resolution[0] * f.resolution[1], -distance[f.resolution]))
+    return min(near, key=lambda f: (f.scale, distance[f.resolution]))
 
 
 def frame_buckets(grid: list[Bucket], resolution: tuple[int, int], video: bool) -> list[int]:

@@ -1,24 +1,34 @@
 """What `adaptiveload encode` reads: the list of inputs (clips and images with captions) and,
 per input, its caption and media bytes; bad inputs are `BadInput`s with a reason.
 
-Three kinds of source:
+Four kinds of source:
 - a folder: every video/image file under it (recursively; names starting with "." are skipped),
-  its caption in the `.txt` of the same name beside it;
+  its caption in the `.txt` of the same name beside it; other files are counted as ignored, by
+  extension;
+- video/image files, each with its caption in the `.txt` of the same name beside it;
 - a JSONL manifest: one {"path": ..., "caption": ...} object a line, relative paths taken from
   the manifest's folder;
 - WebDataset tars: samples of a media member (mp4/webm/mov/mkv/avi, jpg/jpeg/png/webp) and a
-  caption member (`txt`, or `json` with a "caption" string).
+  caption member (`txt`, or `json` with a "caption" string); other members are counted as ignored.
 
 Every input has an `id` that is the same in every process given the same command (a path
-relative to the folder, the manifest's path string, or "tar#key"): ranks split the inputs by it,
-keys of the written samples and bad.jsonl are derived from it.
+relative to the folder, the path string given or in the manifest, or "tar#key"): ranks split the
+inputs by it, keys of the written samples and bad.jsonl are derived from it.
+
+Captions are cleaned as Wan's pipelines clean a prompt before tokenizing (`clean_caption`), so
+training sees the text that inference would encode.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import html
+import importlib
+import importlib.util
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +49,8 @@ BAD_INPUT_REASONS = (
     "undecodable",       # the video does not open or decode (PyAV/FFmpeg error), has no video stream or no frames
     "unreadable_image",  # the image does not open or decode (Pillow error)
     "too_short",         # fewer frames at the target fps than the grid's smallest frame bucket at its resolution
+    "too_small",         # it would be upscaled more than max_upscale (per axis) to the smallest bucket of its aspect
+    "bad_aspect",        # its aspect ratio is far from every bucket: the nearest would crop more than max_crop
     "no_bucket",         # the grid has no bucket for this kind of input (e.g. an image with no frames=1 bucket)
     "non_finite",        # the encoders gave NaN or inf for it (checked by data/shards.py's inspect_sample)
 )
@@ -85,21 +97,34 @@ def media_kind(suffix: str) -> str | None:
     return "video" if suffix in VIDEO_SUFFIXES else "image" if suffix in IMAGE_SUFFIXES else None
 
 
-def list_inputs(sources: str | Path | list) -> list[InputItem]:
-    """The inputs of a folder, a JSONL manifest, or tars (paths, brace patterns; several allowed),
-    sorted by id. Errors that stop the run (nothing to read, a malformed manifest line, an id
-    given twice) name the source and line."""
+_SOURCES = "one folder, one JSONL manifest, WebDataset tars, or video/image files"
+
+
+def list_inputs(sources: str | Path | list, ignored: Counter | None = None) -> list[InputItem]:
+    """The inputs of a folder, a JSONL manifest, tars (paths, brace patterns; several allowed) or
+    video/image files (several allowed), sorted by id. `ignored`, if given, counts what was passed
+    over by extension (`ignored_name`): a folder's files that are neither media nor the caption of
+    one, a tar's members that are neither. Errors that stop the run (a path that does not exist,
+    nothing to read, a malformed manifest line, an id given twice) name the source and line."""
     sources = [sources] if isinstance(sources, (str, Path)) else list(sources)
+    ignored = Counter() if ignored is None else ignored
     if not sources:
-        raise ValueError("no input given: a folder, a JSONL manifest, or WebDataset tars")
+        raise ValueError(f"no input given: {_SOURCES}")
+    for source in sources:
+        if "{" not in str(source) and not Path(source).exists():  # a brace pattern is checked once expanded
+            raise FileNotFoundError(f"input {source}: no such file or folder")
     if len(sources) == 1 and Path(sources[0]).is_dir():
-        items = _folder_inputs(Path(sources[0]))
+        items = _folder_inputs(Path(sources[0]), ignored)
     elif len(sources) == 1 and str(sources[0]).endswith(".jsonl"):
         items = _manifest_inputs(Path(sources[0]))
-    elif all(not Path(s).is_dir() and not str(s).endswith(".jsonl") for s in sources):
-        items = [item for tar in resolve_shards([str(s) for s in sources]) for item in _tar_inputs(tar)]
+    elif all(media_kind(Path(s).suffix.lstrip(".")) for s in sources):
+        items = [InputItem(id=str(s), where=str(s), path=str(s), kind=media_kind(Path(s).suffix.lstrip(".")),
+                           caption_path=str(Path(s).with_suffix(".txt"))) for s in sources]
+    elif all(not Path(s).is_dir() and not str(s).endswith(".jsonl") and not media_kind(Path(s).suffix.lstrip("."))
+             for s in sources):
+        items = [item for tar in resolve_shards([str(s) for s in sources]) for item in _tar_inputs(tar, ignored)]
     else:
-        raise ValueError(f"inputs {[str(s) for s in sources]}: give one folder, one JSONL manifest, or tars")
+        raise ValueError(f"inputs {[str(s) for s in sources]}: give {_SOURCES}")
     seen: dict[str, str] = {}
     for item in items:
         if item.id in seen:
@@ -111,18 +136,34 @@ def list_inputs(sources: str | Path | list) -> list[InputItem]:
     return sorted(items, key=lambda item: item.id)
 
 
-def _folder_inputs(folder: Path) -> list[InputItem]:
-    items = []
+def ignored_name(name: str) -> str:
+    """The `ignored` counter's key of a file or member name: "(hidden)" for names starting with
+    ".", else its last extension, lower case, with the dot (".gif"), or "(none)"."""
+    if name.startswith("."):
+        return "(hidden)"
+    suffix = Path(name).suffix.lower()
+    return suffix or "(none)"
+
+
+def _folder_inputs(folder: Path, ignored: Counter) -> list[InputItem]:
+    items, captions, texts = [], set(), []
     for root, dirs, files in os.walk(folder):
+        ignored.update("(hidden)" for d in dirs if d.startswith("."))  # a hidden folder counts once, unread
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             path = Path(root, name)
-            kind = media_kind(path.suffix.lstrip("."))
-            if name.startswith(".") or kind is None:
+            kind = None if name.startswith(".") else media_kind(path.suffix.lstrip("."))
+            if kind is None:
+                if path.suffix == ".txt" and not name.startswith("."):
+                    texts.append(path)  # a caption, or ignored if no media file names it
+                else:
+                    ignored[ignored_name(name)] += 1
                 continue
             rel = path.relative_to(folder).as_posix()
+            captions.add(path.with_suffix(".txt"))
             items.append(InputItem(id=rel, where=str(path), path=str(path), kind=kind,
                                    caption_path=str(path.with_suffix(".txt"))))
+    ignored.update(".txt" for path in texts if path not in captions)
     return items
 
 
@@ -145,13 +186,15 @@ def _manifest_inputs(manifest: Path) -> list[InputItem]:
     return items
 
 
-def _tar_inputs(tar: str) -> list[InputItem]:
+def _tar_inputs(tar: str, ignored: Counter) -> list[InputItem]:
     items = []
     for key, spans, _, error in scan_shard(tar, read=set()):
         if error is not None:
-            raise ValueError(f"input tar {tar}: cannot be read ({error})")
+            raise ValueError(f"input tar {tar}: cannot be read ({error}); inputs are {_SOURCES}")
         media = [s for s in spans if media_kind(s)]
         caption = next(((s, *spans[s][:2]) for s in CAPTION_SUFFIXES if s in spans), None)
+        ignored.update(ignored_name(f"{key}.{s}") for s in spans if s not in media and (caption is None or
+                                                                                       s != caption[0]))
         where = f"{tar}#{key}"
         if len(media) > 1:
             raise ValueError(f"{where}: sample has several media members {media}; one a sample")
@@ -163,8 +206,32 @@ def _tar_inputs(tar: str) -> list[InputItem]:
     return items
 
 
+@functools.cache
+def _ftfy():
+    """ftfy if installed, else None: Wan's pipelines (diffusers) fix mojibake with it only when it is."""
+    return importlib.import_module("ftfy") if importlib.util.find_spec("ftfy") else None
+
+
+def caption_cleaning() -> dict:
+    """What `clean_caption` does here (recorded in the run's settings: a resume must clean alike)."""
+    ftfy = _ftfy()
+    return {"html_unescape": 2, "whitespace": True, "ftfy": None if ftfy is None else ftfy.__version__}
+
+
+def clean_caption(text: str) -> str:
+    """`text` cleaned as Wan's pipelines clean a prompt before tokenizing (diffusers' Wan
+    `prompt_clean`): ftfy.fix_text if ftfy is installed (optional, as there), html.unescape twice,
+    every run of whitespace to one space, stripped."""
+    ftfy = _ftfy()
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
 def read_caption(item: InputItem) -> str:
-    """The input's caption, stripped; BadInput "missing_caption" / "bad_caption"."""
+    """The input's caption, cleaned (`clean_caption`); BadInput "missing_caption" (none, or nothing
+    left after cleaning) / "bad_caption"."""
     if item.caption is not None:
         text = item.caption
     elif item.caption_path is not None:
@@ -181,9 +248,10 @@ def read_caption(item: InputItem) -> str:
             text = _json_caption(text, f"{item.where}: caption member json")
     else:
         raise BadInput("missing_caption", f"{item.where}: no txt or json caption member")
-    if not text.strip():
+    text = clean_caption(text)
+    if not text:
         raise BadInput("missing_caption", f"{item.where}: the caption is empty")
-    return text.strip()
+    return text
 
 
 def _utf8(raw: bytes, where: str) -> str:

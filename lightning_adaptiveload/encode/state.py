@@ -4,18 +4,23 @@ one index: per rank a journal of its completed shards, its bad inputs and a done
     OUT/shard-r00000-000000.tar ...        rank 0's shards (each written as .tar.partial, renamed when whole)
     OUT/encode-state/r00000.jsonl          rank 0's journal: a header (format, config), then one line per
                                            shard once it is renamed: {"shard", "size", "member_table_sha256",
+                                           "member_crc32": {member name: crc32 hex of its bytes},
+                                           "losses": what its inputs lost (`merge_losses`),
                                            "inputs": [ids], "keys": [...]}
     OUT/encode-state/bad-r00000.jsonl      rank 0's bad inputs of its last run: {"path", "id", "reason", "detail"}
     OUT/encode-state/r00000.done.json      written when rank 0 finished all its inputs
+    OUT/empty_prompt.text.npy              the empty prompt's text embedding (rank 0, data/shards.py's format)
     OUT/index.jsonl, OUT/bad.jsonl, OUT/encode_summary.json   written by `finalize`
 
 A shard is in the journal only after it is whole on disk, so a kill leaves at worst a
 `.partial` file or a renamed shard without its journal line; a restart deletes both and encodes
 their inputs again. A restart also checks every journaled shard (size, member table and, with
-check="full", every sample decoded and validated as the DataModule would) and rewrites a shard
-that fails. Ranks agree without a process group: each writes its done marker; the rank that
-finds every marker present claims the finalize step with an exclusive file create
-(`finalize-<digest of the markers>.claim`), so exactly one builds the index.
+check="full", every member's crc32 against the one computed from the bytes handed to the tar
+writer, and every sample decoded and validated as the DataModule would) and rewrites a shard
+that fails: a flipped bit in a latent is found, not trained on. Ranks agree without a process
+group: each writes its done marker; the rank that finds every marker present claims the finalize
+step with an exclusive file create (`finalize-<digest of the markers>.claim`), so exactly one
+builds the index.
 """
 from __future__ import annotations
 
@@ -25,17 +30,18 @@ import json
 import os
 import re
 import uuid
+import zlib
 from pathlib import Path
 
 from lightning_adaptiveload._jsonl import iter_objects
 from lightning_adaptiveload.data.index import build_index, scan_shard
-from lightning_adaptiveload.data.shards import BadSample, inspect_sample
+from lightning_adaptiveload.data.shards import EMPTY_PROMPT_FILE, BadSample, inspect_sample
 from lightning_adaptiveload.scheduling.model_io import write_json
 from lightning_adaptiveload.scheduling.shapes import TokenSpec
 
 STATE_DIR = "encode-state"
 JOURNAL_FORMAT = "adaptiveload-encode-journal"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 1: no member checksums
 CHECKS = ("full", "headers")  # a resumed shard: every sample decoded and validated, or its tar headers only
 _SHARD = re.compile(r"^shard-r(\d{5})-(\d{6})\.tar(\.partial)?$")
 
@@ -61,10 +67,28 @@ def _append(f, record: dict) -> None:
     os.fsync(f.fileno())
 
 
+NO_LOSSES = {"tail_frames_left_out": 0, "trimmed": 0, "upscaled": 0, "max_upscale": 1.0}
+
+
+def merge_losses(total: dict, losses: dict) -> dict:
+    """`total` plus `losses`, both dicts of NO_LOSSES's fields: frames left out at clips' ends,
+    clips trimmed (long="trim"), inputs upscaled (summed) and the largest upscale factor (max)."""
+    merged = {k: total[k] + losses[k] for k in ("tail_frames_left_out", "trimmed", "upscaled")}
+    return {**merged, "max_upscale": max(total["max_upscale"], losses["max_upscale"])}
+
+
+def member_checksums(key: str, files: dict[str, bytes]) -> dict[str, str]:
+    """{member name: crc32 of its bytes, 8 hex digits} of one sample. crc32 finds every 1-bit and
+    every burst of up to 32 flipped bits (what a bad disk or transfer does) at GB/s: a resume
+    check costs the read, not the hash."""
+    return {f"{key}.{suffix}": f"{zlib.crc32(data):08x}" for suffix, data in sorted(files.items())}
+
+
 def check_shard(path: Path, entry: dict, check: str) -> str:
     """What is wrong with a journaled shard ('' if nothing): missing, another size, another member
-    table than when written, or (check="full") a sample that does not decode and validate
-    (`inspect_sample`: JSON, latent dtype/shape/finite, text) or other keys than journaled."""
+    table than when written, or (check="full") a member whose bytes have another crc32 than those
+    written, a sample that does not decode and validate (`inspect_sample`: JSON, latent
+    dtype/shape/finite, text) or other keys than journaled."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -77,6 +101,9 @@ def check_shard(path: Path, entry: dict, check: str) -> str:
         if error is not None:
             return str(error)
         if check == "full":
+            for member, crc in member_checksums(key, files).items():
+                if entry["member_crc32"].get(member) != crc:
+                    return f"member {member}: crc32 {crc}, {entry['member_crc32'].get(member)} when written"
             try:
                 inspect_sample(key, files)
             except BadSample as e:
@@ -150,6 +177,9 @@ class RankState:
         return {i for e in kept for i in e["inputs"]}
 
     def _check_header(self, header: dict) -> None:
+        if header.get("format") == JOURNAL_FORMAT and header.get("version") == 1:
+            raise ValueError(f"{self.journal}: written by an older version of adaptiveload encode, whose journal "
+                             f"holds no checksums of the shards' bytes; encode into a new folder")
         if header.get("format") != JOURNAL_FORMAT or header.get("version") != JOURNAL_VERSION:
             raise ValueError(f"{self.journal}:1: not an encode journal of version {JOURNAL_VERSION}: "
                              f"{json.dumps(header)[:200]}")
@@ -163,14 +193,18 @@ class RankState:
             raise ValueError(f"{self.journal}: the samples there were encoded with other settings "
                              f"({', '.join(changed)} differ); encode into a new folder, or resume with the same settings")
 
-    def add_shard(self, name: str, inputs: list[str], keys: list[str]) -> None:
-        """Journal shard `name` (already renamed into place) with the inputs and keys it holds."""
+    def add_shard(self, name: str, inputs: list[str], keys: list[str], checksums: dict[str, str],
+                  losses: dict) -> None:
+        """Journal shard `name` (already renamed into place) with the inputs and keys it holds,
+        `checksums` ({member name: crc32 hex}, of the bytes given to the tar writer: what was meant
+        to be on disk, not what a read-back would find) and what its inputs lost (`merge_losses`;
+        kept per shard so that the summary's counts survive resumes)."""
         path = self.out / name
         table = hashlib.sha256()
         for _ in scan_shard(path, read=set(), table=table):
             pass
         entry = {"shard": name, "size": path.stat().st_size, "member_table_sha256": table.hexdigest(),
-                 "inputs": inputs, "keys": keys}
+                 "member_crc32": checksums, "losses": losses, "inputs": inputs, "keys": keys}
         _append(self._journal_file, entry)
         self.entries.append(entry)
 
@@ -241,6 +275,10 @@ def finalize(out_dir: str | Path, index: str | Path | None = None, check: str = 
         raise ValueError(f"{out}: ranks listed different inputs ({sorted(listings)}: input count, digest); the source "
                          f"changed between ranks' starts: resume the ranks with the old listing")
     journals = [read_records(out / STATE_DIR / f"r{rank:05d}.jsonl") for rank in range(world_size)]
+    if any(j and j[0].get("version") != JOURNAL_VERSION for j in journals):
+        raise ValueError(f"{out}: written by another version of adaptiveload encode (journal version "
+                         f"{sorted({j[0].get('version') for j in journals if j})}, this one reads "
+                         f"{JOURNAL_VERSION}); encode into a new folder")
     configs = {json.dumps(j[0]["config"], sort_keys=True) for j in journals if j}
     if len(configs) > 1:
         raise ValueError(f"{out}: ranks encoded with different settings; encode them again with one command")
@@ -270,9 +308,16 @@ def finalize(out_dir: str | Path, index: str | Path | None = None, check: str = 
     reasons: dict[str, int] = {}
     for r in bad:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    empty_prompt = out / EMPTY_PROMPT_FILE
+    losses = NO_LOSSES
+    for journal in journals:
+        for entry in journal[1:]:
+            losses = merge_losses(losses, entry["losses"])
     summary = {"finished": _now(), "world_size": world_size, "index": str(index) if count else None, "samples": count,
                "shards": len(shards), "inputs_listed": markers[0]["inputs_listed"],
-               "bad_inputs": len(bad), "bad_by_reason": dict(sorted(reasons.items())), "config": config,
-               "ranks": sorted(markers, key=lambda m: m["rank"])}
+               "bad_inputs": len(bad), "bad_by_reason": dict(sorted(reasons.items())),
+               **losses, "ignored": markers[0]["ignored"],
+               "empty_prompt": str(empty_prompt) if config["text"] and empty_prompt.exists() else None,
+               "config": config, "ranks": sorted(markers, key=lambda m: m["rank"])}
     write_json(out / "encode_summary.json", summary)
     return summary

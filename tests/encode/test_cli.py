@@ -13,9 +13,16 @@ def test_help_lists_the_options_and_imports_no_torch():
             "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     for option in ("--model", "--fps", "--long", "--latent", "--text-len", "--rank", "--world-size", "--finalize",
-                   "--buckets", "--check", "--tile-above", "bad.jsonl"):
+                   "--buckets", "--check", "--tile-above", "--max-crop", "--max-upscale", "bad.jsonl",
+                   "empty_prompt.text.npy", "480x832", "832x480", "624x624"):
         assert option in out, option
     assert out.strip().endswith("False")
+
+
+def _grid(folder):
+    grid = folder / "grid.jsonl"
+    grid.write_text("".join(json.dumps({"frames": f, "height": 32, "width": 48}) + "\n" for f in (1, 5, 17)))
+    return grid
 
 
 def test_run_from_a_pipeline_folder_then_finalize(pipeline_dir, tmp_path, capsys):
@@ -26,10 +33,8 @@ def test_run_from_a_pipeline_folder_then_finalize(pipeline_dir, tmp_path, capsys
     for name in ("clip", "pic"):
         (src / f"{name}.txt").write_text("a dog on the grass")
     (src / "nocap.png").write_bytes((src / "pic.png").read_bytes())
-    grid = tmp_path / "grid.jsonl"
-    grid.write_text("".join(json.dumps({"frames": f, "height": 32, "width": 48}) + "\n" for f in (1, 5, 17)))
     out = tmp_path / "out"
-    args = ["encode", str(src), "--out", str(out), "--model", str(pipeline_dir), "--buckets", str(grid),
+    args = ["encode", str(src), "--out", str(out), "--model", str(pipeline_dir), "--buckets", str(_grid(tmp_path)),
             "--text-len", "16", "--device", "cpu", "--num-workers", "0", "--no-progress", "--no-finalize"]
     assert main(args) == 0
     assert not (out / "index.jsonl").exists()
@@ -42,11 +47,25 @@ def test_run_from_a_pipeline_folder_then_finalize(pipeline_dir, tmp_path, capsys
     assert "2 inputs encoded" not in capsys.readouterr().out
 
 
+def test_a_single_clip_and_the_size_limits(pipeline_dir, tmp_path, capsys):
+    index_video(tmp_path / "clip.mp4", 9, fps=16, height=16, width=24)  # 2x up to 32x48
+    (tmp_path / "clip.txt").write_text("a dog")
+    args = ["encode", str(tmp_path / "clip.mp4"), "--model", str(pipeline_dir), "--buckets", str(_grid(tmp_path)),
+            "--text-len", "16", "--device", "cpu", "--num-workers", "0", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--max-upscale", "1.5"]) == 1  # no sample: bad input
+    assert '{"too_small": 1}' in capsys.readouterr().out
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert "1 inputs upscaled (up to 2.00x)" in capsys.readouterr().out
+
+
 def test_errors_are_one_line_naming_what_is_wrong(tmp_path, capsys, monkeypatch):
     assert main(["encode", "--finalize", "--out", str(tmp_path)]) == 2
     assert "no encode done markers" in capsys.readouterr().err
     assert main(["encode", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "give --model (a Wan diffusers pipeline folder) or --vae" in capsys.readouterr().err
+    assert main(["encode", str(tmp_path / "videos"), "--out", str(tmp_path / "o"), "--vae", str(tmp_path),
+                 "--no-text"]) == 2
+    assert f"input {tmp_path / 'videos'}: no such file or folder" in capsys.readouterr().err
     assert main(["encode", str(tmp_path), "--out", str(tmp_path / "o"), "--vae", str(tmp_path), "--no-text"]) == 2
     assert "no video or image inputs found in" in capsys.readouterr().err  # listed before any model is loaded
     write_image(tmp_path / "pic.png", seed=0)

@@ -4,7 +4,7 @@ import pytest
 
 from lightning_adaptiveload.encode.decode import (DecodePlan, Finished, Window, decode_item, resample_by_time,
                                                   resize_center_crop)
-from lightning_adaptiveload.encode.grid import check_grid
+from lightning_adaptiveload.encode.grid import DEFAULT_GRID, check_grid
 from lightning_adaptiveload.encode.inputs import list_inputs
 
 from tests.encode.conftest import GRID, index_video, read_index, write_image
@@ -101,3 +101,48 @@ def test_image_window(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"\x89PNG not really")
     (rejected,) = _decode(tmp_path, "bad.png", DecodePlan(check_grid(GRID)))
     assert rejected.reason == "unreadable_image"
+
+
+def test_trim_says_whether_frames_were_cut(tmp_path):
+    plan = DecodePlan(check_grid(GRID), fps=16, long="trim")
+    index_video(tmp_path / "long.mp4", 20, fps=16)   # 20 frames: the 17 bucket, 3 cut
+    index_video(tmp_path / "exact.mp4", 17, fps=16)  # exactly the largest bucket: nothing cut
+    assert _decode(tmp_path, "long.mp4", plan)[-1].trimmed is True
+    assert _decode(tmp_path, "exact.mp4", plan)[-1].trimmed is False
+    assert _decode(tmp_path, "long.mp4", DecodePlan(check_grid(GRID), fps=16))[-1].trimmed is False  # windows
+
+
+@pytest.mark.parametrize("name, size, reason, words", [
+    ("panorama.png", (20, 120), "bad_aspect", ["20x120 (aspect 6.00)", "32x48", "75%", "30%"]),
+    ("speck.png", (10, 12), "too_small", ["10x12", "upscaled 3.20x", "32x32", "2x"]),
+])
+def test_far_aspect_and_tiny_sources_are_bad_inputs(tmp_path, name, size, reason, words):
+    write_image(tmp_path / name, seed=0, height=size[0], width=size[1])
+    (rejected,) = _decode(tmp_path, name, DecodePlan(check_grid(GRID)))
+    assert rejected.reason == reason and all(w in rejected.detail for w in words), rejected.detail
+    # the limits are the caller's: allowed, the source is cropped/upscaled and says by how much
+    window, finished = _decode(tmp_path, name, DecodePlan(check_grid(GRID), max_crop=1, max_upscale=4))
+    assert window.meta["crop"] == pytest.approx(0.75 if reason == "bad_aspect" else 1 - (32 / 32) / (12 / 10),
+                                                abs=1e-4)
+    assert finished.scale == window.meta["scale"] == pytest.approx(32 / 20 if reason == "bad_aspect" else 32 / 10)
+
+
+def test_a_clip_too_far_from_every_bucket_is_rejected_before_its_frames_are_decoded(tmp_path):
+    index_video(tmp_path / "strip.mp4", 9, fps=16, height=16, width=96)
+    (rejected,) = _decode(tmp_path, "strip.mp4", DecodePlan(check_grid(GRID), max_upscale=4))
+    assert rejected.reason == "bad_aspect"  # not "undecodable": the reason is the shape
+
+
+def test_portrait_and_square_clips_go_to_buckets_of_their_orientation_in_the_default_grid(tmp_path):
+    plan = DecodePlan(DEFAULT_GRID, fps=16)
+    index_video(tmp_path / "portrait.mp4", 17, fps=16, height=848, width=480)
+    index_video(tmp_path / "square.mp4", 17, fps=16, height=640, width=640)
+    for name, resolution, crop in (("portrait.mp4", (832, 480), 1 - (480 / 848) / (480 / 832)),
+                                   ("square.mp4", (624, 624), 0.0)):
+        window, finished = _decode(tmp_path, name, plan)
+        assert tuple(window.frames.shape) == (17, *resolution, 3) and finished.tail_frames == 0
+        assert (window.meta["height"], window.meta["width"]) == resolution
+        assert window.meta["crop"] == pytest.approx(crop, abs=1e-4) and window.meta["crop"] <= plan.max_crop
+        assert window.meta["scale"] <= 1  # never upscaled
+        # the stripes are whole: only rows were cut, the frames are in order
+        assert [read_index(f) for f in window.frames.numpy()] == list(range(17))

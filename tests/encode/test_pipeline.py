@@ -1,16 +1,17 @@
 """encode_videos end to end: the shards and index it writes against independent references,
 resume after a kill, two ranks and one index, every bad-input reason, and training on the result."""
 import json
+import tarfile
 
 import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.data.index import read_index, read_members
-from lightning_adaptiveload.data.shards import inspect_sample
+from lightning_adaptiveload.data.index import read_index, read_members, scan_shard
+from lightning_adaptiveload.data.shards import EMPTY_PROMPT_FILE, inspect_sample, read_empty_prompt
 from lightning_adaptiveload.encode.decode import DecodePlan, Window, decode_item
 from lightning_adaptiveload.encode.grid import check_grid
-from lightning_adaptiveload.encode.inputs import list_inputs, sample_key
+from lightning_adaptiveload.encode.inputs import caption_cleaning, list_inputs, sample_key
 from lightning_adaptiveload.encode.models import LatentEncoder
 from lightning_adaptiveload.encode.pipeline import encode_videos, finalize_encode
 from lightning_adaptiveload.encode.state import STATE_DIR, claim_finalize
@@ -130,21 +131,43 @@ def test_resume_after_a_kill_rewrites_the_half_shard_and_matches_a_clean_run(inp
         np.testing.assert_array_equal(resumed[key][1], clean[key][1])
 
 
-def test_resume_checks_shards_and_rewrites_a_damaged_one(inputs, tmp_path, capsys):
+def _flip_a_latent_bit(shard) -> str:
+    """Flip the lowest bit of the first value of the shard's first latent (float16: one ulp, still
+    finite and valid); returns the sample's key."""
+    with tarfile.open(shard) as tar:
+        info = next(m for m in tar if m.name.endswith(".latent.npy"))
+    data = bytearray(shard.read_bytes())
+    assert data[info.offset_data:info.offset_data + 8] == b"\x93NUMPY\x01\x00"  # npy format 1.0
+    header_len = int.from_bytes(data[info.offset_data + 8:info.offset_data + 10], "little")
+    data[info.offset_data + 10 + header_len] ^= 1
+    shard.write_bytes(bytes(data))
+    return info.name.removesuffix(".latent.npy")
+
+
+def test_resume_finds_a_flipped_bit_in_a_latent_by_its_checksum_and_rewrites_the_shard(inputs, encoded, tmp_path,
+                                                                                      capsys):
     out = tmp_path / "damaged"
     first = _encode(inputs, out)
     shard = out / first.shards[0]
-    data = bytearray(shard.read_bytes())
-    latent_at = data.index(b"\x93NUMPY")  # overwrite a latent's npy header: same size and member table
-    data[latent_at:latent_at + 6] = b"XXXXXX"
-    shard.write_bytes(bytes(data))
+    key = _flip_a_latent_bit(shard)
+    for k, _, files, _ in scan_shard(shard):
+        inspect_sample(k, files)  # still a valid sample: only the checksum tells
     (out / "shard-r00000-000099.tar").write_bytes(b"renamed but never journaled")
+    with pytest.raises(ValueError, match=f"{first.shards[0]}: member {key}.latent.npy: crc32"):
+        finalize_encode(out, check="full")
+    capsys.readouterr()
     again = _encode(inputs, out)
     log = capsys.readouterr().out
-    assert f"{first.shards[0]} (sample" in log and "shard-r00000-000099.tar" in log
+    assert f"{first.shards[0]} (member {key}.latent.npy: crc32" in log and "shard-r00000-000099.tar" in log
     assert not (out / "shard-r00000-000099.tar").exists()
     assert again.encoded == len(json.loads((out / STATE_DIR / "r00000.jsonl").read_text().splitlines()[1])["inputs"])
-    assert len(_samples(out)) == sum(len(v) for v in EXPECTED_WINDOWS.values())
+    clean, rewritten = _samples(encoded[0]), _samples(out)
+    assert sorted(rewritten) == sorted(clean)
+    for k in clean:
+        np.testing.assert_array_equal(rewritten[k][1], clean[k][1])
+    # --check headers reads no data: size and member table only, so it does not see a flipped bit
+    _flip_a_latent_bit(out / again.shards[0])
+    assert _encode(inputs, out, check="headers").encoded == 0
 
 
 def test_settings_change_on_resume_is_refused(inputs, tmp_path):
@@ -293,3 +316,110 @@ def test_rank_and_world_size_from_torchrun_environment(inputs, tmp_path, monkeyp
     assert (tmp_path / "env" / STATE_DIR / "r00001.done.json").exists()
     with pytest.raises(ValueError, match="give rank and world_size together"):
         _encode(inputs / "sub", tmp_path / "env2", rank=0)
+
+
+# portrait buckets beside the landscape and square ones of GRID
+ORIENTED_GRID = GRID + [(f, 48, 32) for f in (1, 5, 9, 17)]
+
+
+def test_orientations_cuts_and_ignored_files_are_counted_everywhere_and_survive_a_resume(tmp_path, capsys):
+    src = tmp_path / "in"
+    (src / ".cache").mkdir(parents=True)
+    index_video(src / "portrait.mp4", 12, fps=16, height=80, width=48)  # 9 frames at 48x32, 3 left out
+    index_video(src / "square.mp4", 12, fps=16, height=40, width=40)    # 9 at 32x32, 3 left out
+    index_video(src / "wide.mp4", 12, fps=16, height=48, width=64)      # 9 at 32x48, 3 left out
+    write_image(src / "tiny.png", seed=3, height=20, width=20)          # upscaled 1.6x: allowed, counted
+    write_image(src / "speck.png", seed=4, height=10, width=10)         # 3.2x: too_small
+    write_image(src / "panorama.png", seed=5, height=20, width=120)     # 6:1: bad_aspect
+    for name in ("portrait", "square", "wide", "tiny", "speck", "panorama"):
+        (src / f"{name}.txt").write_text("a dog on the grass")
+    for name in ("notes.md", "clip.gif", ".DS_Store", "orphan.txt", ".cache/x.mp4"):
+        (src / name).write_bytes(b"x")
+    out = tmp_path / "out"
+    result = _encode(src, out, buckets=ORIENTED_GRID, progress=True)
+    printed = capsys.readouterr()
+    samples = _samples(out)
+    expected = {"portrait.mp4": (48, 32), "square.mp4": (32, 32), "wide.mp4": (32, 48), "tiny.png": (32, 32)}
+    vae = tiny_vae()
+    plan = DecodePlan(check_grid(ORIENTED_GRID), fps=16)
+    for item in list_inputs(src):
+        if item.id not in expected:
+            continue
+        meta, latent, _ = samples[sample_key(item.id, 0)]
+        h, w = expected[item.id]
+        source_h, source_w = meta["source_size"]
+        ratio = (w / h) / (source_w / source_h)
+        assert (meta["height"], meta["width"]) == (h, w) and latent.shape[2:] == (h // 8, w // 8)
+        assert meta["crop"] == pytest.approx(1 - min(ratio, 1 / ratio), abs=1e-4) and meta["crop"] <= 0.3
+        window = next(e for e in decode_item(item, plan) if isinstance(e, Window))
+        np.testing.assert_allclose(latent.astype(np.float32), vae_reference(vae, window.frames), atol=2e-3, rtol=2e-3)
+    assert samples[sample_key("tiny.png", 0)][0]["scale"] == 1.6
+    bad = {b["id"]: b["reason"] for b in map(json.loads, (out / "bad.jsonl").read_text().splitlines())}
+    assert bad == {"speck.png": "too_small", "panorama.png": "bad_aspect"}
+    ignored = {".md": 1, ".gif": 1, "(hidden)": 2, ".txt": 1}
+    counts = {"tail_frames_left_out": 9, "trimmed": 0, "upscaled": 1, "max_upscale": 1.6}
+    assert {k: getattr(result, k) for k in counts} == counts and result.ignored == ignored
+    done = json.loads((out / STATE_DIR / "r00000.done.json").read_text())
+    summary = json.loads((out / "encode_summary.json").read_text())
+    for doc in (done, summary):
+        assert {k: doc[k] for k in counts} == counts and doc["ignored"] == ignored
+    assert summary["bad_by_reason"] == {"bad_aspect": 1, "too_small": 1}
+    assert "left out: 9 tail frames, 0 clips trimmed; 1 inputs upscaled (up to 1.60x); ignored files: 5" in \
+        result.throughput() and result.throughput() in printed.out
+    assert "tail_frames=9" in printed.err and "upscaled=1" in printed.err and "ignored=5" in printed.err  # the bar
+    again = _encode(src, out, buckets=ORIENTED_GRID)  # nothing new: this run cut nothing, the summary still counts
+    assert again.encoded == 0 and again.tail_frames_left_out == 0
+    summary = json.loads((out / "encode_summary.json").read_text())
+    assert {k: summary[k] for k in counts} == counts
+
+
+def test_trimmed_clips_are_counted(inputs, tmp_path):
+    result = _encode(inputs, tmp_path / "trim", long="trim")
+    assert result.trimmed == 1 and result.tail_frames_left_out == 3 + 1  # long.mp4 is trimmed; mid 12 - 9, six 6 - 5
+    assert json.loads((tmp_path / "trim" / "encode_summary.json").read_text())["trimmed"] == 1
+
+
+def test_the_empty_prompt_is_encoded_once_per_output_as_a_caption_is(encoded, tmp_path, inputs):
+    out, _ = encoded
+    path = out / EMPTY_PROMPT_FILE
+    embedding = read_empty_prompt(out)
+    model, tokenizer = tiny_text_encoder(), tiny_tokenizer()
+    ids = torch.tensor([tokenizer("")["input_ids"]])
+    assert ids.tolist() == [[1]]  # the end token only: what is left of "" after the caption's trimming
+    with torch.no_grad():
+        reference = model(input_ids=ids).last_hidden_state[0].numpy()
+    assert embedding.dtype == np.float16 and embedding.shape == (1, TEXT_DIM)
+    np.testing.assert_allclose(embedding.astype(np.float32), reference, atol=2e-3, rtol=2e-3)
+    assert json.loads((out / "encode_summary.json").read_text())["empty_prompt"] == str(path)
+    # ranks: rank 0 writes it, another rank does not; a rerun leaves it as it is
+    ranks = tmp_path / "ranks"
+    _encode(inputs / "sub", ranks, rank=1, world_size=2)
+    assert not (ranks / EMPTY_PROMPT_FILE).exists()
+    _encode(inputs / "sub", ranks, rank=0, world_size=2)
+    written = (ranks / EMPTY_PROMPT_FILE).stat().st_mtime_ns
+    np.testing.assert_array_equal(read_empty_prompt(ranks), embedding)
+    _encode(inputs / "sub", ranks, rank=0, world_size=2)
+    assert (ranks / EMPTY_PROMPT_FILE).stat().st_mtime_ns == written
+    (ranks / EMPTY_PROMPT_FILE).write_bytes(b"torn")  # damaged: rewritten on the next run
+    _encode(inputs / "sub", ranks, rank=0, world_size=2)
+    np.testing.assert_array_equal(read_empty_prompt(ranks), embedding)
+    result = _encode(inputs / "sub", tmp_path / "notext", text_encoder=None)
+    assert result.samples and not (tmp_path / "notext" / EMPTY_PROMPT_FILE).exists()
+    assert json.loads((tmp_path / "notext" / "encode_summary.json").read_text())["empty_prompt"] is None
+
+
+def test_a_single_video_file_is_encoded_and_messy_captions_are_cleaned(inputs, encoded, tmp_path):
+    clip = tmp_path / "one.mp4"
+    clip.write_bytes((inputs / "mid.mp4").read_bytes())
+    clip.with_suffix(".txt").write_text("  a&#32;red   car\n\njumps &amp;amp; runs ")
+    result = _encode(str(clip), tmp_path / "one")
+    assert result.samples == 1 and not result.bad
+    meta, latent, text = _samples(tmp_path / "one")[sample_key(str(clip), 0)]
+    np.testing.assert_array_equal(latent, _samples(encoded[0])[sample_key("mid.mp4", 0)][1])  # same clip
+    assert meta["caption"] == "a red car jumps & runs"  # html unescaped twice, whitespace collapsed
+    ids = torch.tensor([tiny_tokenizer()("a red car jumps & runs")["input_ids"]])
+    with torch.no_grad():
+        reference = tiny_text_encoder()(input_ids=ids).last_hidden_state[0].numpy()
+    np.testing.assert_allclose(text.astype(np.float32), reference, atol=2e-3, rtol=2e-3)
+    config = json.loads((tmp_path / "one" / STATE_DIR / "r00000.jsonl").read_text().splitlines()[0])["config"]
+    assert config["caption_cleaning"] == caption_cleaning()  # a resume must clean alike

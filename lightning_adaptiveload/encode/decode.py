@@ -234,7 +234,10 @@ def _video_windows(item: InputItem, plan: DecodePlan) -> Iterator[Window | Finis
                     resized = resize_center_crop(frame.to_ndarray(format="rgb24"), *cutter.resolution)
                 yield from cutter.add(t, resized)
                 if cutter.done:
-                    trimmed = next(frames, None) is not None  # one more frame decoded: was anything cut?
+                    try:  # one more frame decoded: was anything cut?
+                        trimmed = next(frames, None) is not None
+                    except (av.FFmpegError, OSError, ValueError):
+                        trimmed = True  # something follows, broken or not; the window kept is whole
                     break
         except BadInput:  # a ValueError too: not an undecodable file
             raise

@@ -358,10 +358,8 @@ def _finish(event: Finished, windows, captions: CaptionEncoder | None, spec, dty
     losses = {"tail_frames_left_out": event.tail_frames, "trimmed": int(event.trimmed),
               "upscaled": int(event.scale > 1.0), "max_upscale": round(max(event.scale, 1.0), 4)}
     result.encoded += 1
-    result.tail_frames_left_out += losses["tail_frames_left_out"]
-    result.trimmed += losses["trimmed"]
-    result.upscaled += losses["upscaled"]
-    result.max_upscale = max(result.max_upscale, losses["max_upscale"])
+    for k, v in merge_losses({k: getattr(result, k) for k in NO_LOSSES}, losses).items():
+        setattr(result, k, v)
     yield "done", item.id, losses
 
 

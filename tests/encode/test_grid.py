@@ -94,7 +94,8 @@ def test_fit_scale_and_crop_against_the_aspect_ratios():
 def test_default_grid_crops_at_most_a_quarter_between_9_16_and_16_9_and_rejects_3_1():
     video = resolutions(DEFAULT_GRID, video=True)
     crops = [choose_resolution(2000, round(2000 * a), video).crop for a in np.geomspace(9 / 16, 16 / 9, 400)]
-    assert max(crops) < 0.25 < MAX_CROP  # worst: halfway (in log aspect) between square and 16:9
+    assert max(crops) <= 0.25 + 1e-12 < MAX_CROP  # worst: 4:3, halfway (in log aspect) between square and 16:9
+    assert choose_resolution(3000, 4000, video).crop == pytest.approx(0.25)
     assert choose_resolution(1000, 3000, video).crop > MAX_CROP  # 3:1 panorama: far from every bucket
 
 

@@ -21,9 +21,11 @@ What each strategy gets (docs/lightning.md, "FSDP1 or FSDP2"):
   every group fp32.
 - FSDP1 under bf16-mixed (`fsdp1_mixed_precision`, set on the strategy when the config gives none):
   Lightning's default would gather every parameter, reduce every gradient and cast every buffer in
-  bf16, the RoPE tables included. Instead: parameters gathered in bf16, gradients reduced in fp32,
-  buffers left in their dtype (fp64 RoPE tables), and the time embedder its own FSDP1 unit with mixed
-  precision off (FSDP1's `_module_classes_to_ignore`, outside every block). The output and block
+  bf16, the RoPE tables included, and cast the batch to bf16 before training_step. Instead:
+  parameters gathered in bf16, gradients reduced in fp32, buffers left in their dtype (the RoPE
+  tables), the batch left as it comes (x_t and the target are formed from exact latents; autocast
+  casts inside the ops), and the time embedder its own FSDP1 unit with mixed precision off (FSDP1's
+  `_module_classes_to_ignore`, outside every block). The output and block
   scale_shift_tables and norm2's affine are gathered in bf16 (an FSDP1 unit per module inside a
   block would break checkpointing as above; FSDP1 has no per-parameter policy).
 """
@@ -98,4 +100,4 @@ def fsdp1_mixed_precision():
     from torch.distributed.fsdp import MixedPrecision
 
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=None,
-                          _module_classes_to_ignore=(TimestepEmbedding,))
+                          cast_root_forward_inputs=False, _module_classes_to_ignore=(TimestepEmbedding,))

@@ -202,7 +202,8 @@ def run_pretrained_bf16(out_dir: Path) -> None:
     torch.set_num_threads(1)
     block = "diffusers.models.transformers.transformer_wan.WanTransformerBlock"
     module = build_module(Recording, pretrained=str(out_dir / "pretrained"), fsdp2_param_dtype="bfloat16")
-    trainer = _trainer(out_dir, [FusedAdaLNSurgery(require_replacement=True), PerBucketCheckpointing(block_classes=block)])
+    trainer = _trainer(out_dir, [FusedAdaLNSurgery(require_replacement=True),
+                                 PerBucketCheckpointing(block_classes=block)])
     trainer.fit(module)
     rank = trainer.global_rank
     save_file(module.drawn, str(out_dir / f"drawn{rank}.safetensors"))
@@ -243,7 +244,8 @@ def test_two_cpu_ranks_read_only_their_shards_and_keep_the_fp32_modules_in_fp32(
         got = [[index for key, index in info["reads"] if key == name] for info in infos]
         spans = [(r * chunk, min((r + 1) * chunk, rows)) for r in (0, 1)]
         for rank in (0, 1):
-            wanted = [] if spans[rank][0] >= spans[rank][1] else [[list(spans[rank])] + [[0, n] for n in value.shape[1:]]]
+            begin, end = spans[rank]
+            wanted = [] if begin >= end else [[[begin, end]] + [[0, n] for n in value.shape[1:]]]
             assert got[rank] == wanted, (name, rank, got[rank])
     loaded = load_file(str(tmp_path / "loaded.safetensors"))
     assert loaded.keys() == expected.keys()

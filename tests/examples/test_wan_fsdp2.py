@@ -46,6 +46,29 @@ def _trainer(out_dir: Path, callbacks):
                      enable_model_summary=False, default_root_dir=str(out_dir))
 
 
+def mean_loss_backward(reference, drawn_files: list[Path]) -> None:
+    """Backward of the mean loss over the 4 samples of both ranks (with the sigma and noise each rank
+    drew) through one unsharded model: what scale_loss_to_global_mean + FSDP2's gradient average give."""
+    from safetensors.torch import load_file
+
+    total = 0
+    for rank, path in enumerate(drawn_files):
+        drawn, batch = load_file(str(path)), rank_batch(rank)
+        n = batch["latents"].shape[0]
+        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
+                                                             drawn["noise"])
+    total.backward()
+
+
+def _run_script(mode: str, out_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)  # a fresh two-process rendezvous
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, str(out_dir)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+
 def run_two_ranks(out_dir: Path) -> None:
     from examples.wan.module import WanModule
     from lightning_adaptiveload.callbacks import FusedAdaLNSurgery, PerBucketCheckpointing
@@ -87,12 +110,7 @@ def run_two_ranks(out_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_two_cpu_ranks_give_the_single_process_gradient_and_clip_the_global_norm(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)  # a fresh two-process rendezvous
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    _run_script("gradient", tmp_path)
     from safetensors.torch import load_file
 
     from examples.wan.module import WanModule
@@ -106,13 +124,7 @@ def test_two_cpu_ranks_give_the_single_process_gradient_and_clip_the_global_norm
     # Reference: one unsharded fp32 model, the two ranks' samples with their sigma and noise, the
     # mean loss over all 4 samples (what scale_loss_to_global_mean + FSDP2's gradient average give).
     reference = build_module(WanModule)
-    total = 0
-    for rank in (0, 1):
-        drawn, batch = load_file(str(tmp_path / f"rank{rank}.safetensors")), rank_batch(rank)
-        n = batch["latents"].shape[0]
-        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
-                                                             drawn["noise"])
-    total.backward()
+    mean_loss_backward(reference, [tmp_path / f"rank{rank}.safetensors" for rank in (0, 1)])
     grads = load_file(str(tmp_path / "grads.safetensors"))
     assert grads.keys() == dict(reference.transformer.named_parameters()).keys()
     for name, param in reference.transformer.named_parameters():
@@ -214,15 +226,6 @@ def run_pretrained_bf16(out_dir: Path) -> None:
         save_file(module.loaded, str(out_dir / "loaded.safetensors"))
 
 
-def _run_script(mode: str, out_dir: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)  # a fresh two-process rendezvous
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, str(out_dir)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-
-
 @pytest.mark.slow
 def test_two_cpu_ranks_read_only_their_shards_and_keep_the_fp32_modules_in_fp32(tmp_path):
     import diffusers
@@ -266,13 +269,7 @@ def test_two_cpu_ranks_read_only_their_shards_and_keep_the_fp32_modules_in_fp32(
     # is close, and a group reduced wrongly (summed, or missing a rank) would be off by 2x or more
     reference = build_module(WanModule, transformer_config=TINY, fsdp2_param_dtype="float32")
     reference.transformer.load_state_dict(expected)
-    total = 0
-    for rank in (0, 1):
-        drawn, batch = load_file(str(tmp_path / f"drawn{rank}.safetensors")), rank_batch(rank)
-        n = batch["latents"].shape[0]
-        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
-                                                             drawn["noise"])
-    total.backward()
+    mean_loss_backward(reference, [tmp_path / f"drawn{rank}.safetensors" for rank in (0, 1)])
     grads = load_file(str(tmp_path / "bf16_grads.safetensors"))
     for name, param in reference.transformer.named_parameters():
         error = ((grads[name] - param.grad).norm() / param.grad.norm()).item()
@@ -281,7 +278,4 @@ def test_two_cpu_ranks_read_only_their_shards_and_keep_the_fp32_modules_in_fp32(
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    if sys.argv[1] == "pretrained_bf16":
-        run_pretrained_bf16(Path(sys.argv[2]))
-    else:
-        run_two_ranks(Path(sys.argv[1]))
+    {"gradient": run_two_ranks, "pretrained_bf16": run_pretrained_bf16}[sys.argv[1]](Path(sys.argv[2]))

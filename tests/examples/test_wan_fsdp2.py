@@ -2,7 +2,10 @@
 step with unequal batches (3 images on rank 0, 1 clip on rank 1), fused-AdaLN surgery and
 PerBucketCheckpointing at a different depth per rank, gives the gradient of the mean loss over all
 4 samples that a single unsharded model computes, and Lightning's norm clipping clips the global
-norm. The test runs this file as a script (Lightning starts rank 1 by running it again)."""
+norm. With bf16 compute and `pretrained`: each rank reads only its own rows of every weight, the
+sharded weights are bit-exact, the modules diffusers keeps in fp32 outside the blocks gather and
+compute in fp32 (their own fully_shard groups), the rest in bf16. The tests run this file as a
+script (Lightning starts rank 1 by running it again)."""
 import json
 import os
 import subprocess
@@ -27,23 +30,54 @@ def rank_batch(rank: int) -> dict:
             "text": torch.randn(batch_size, 5, 32, generator=g), "ac_blocks": DEPTH[rank]}
 
 
-def build_module(module_class):
+def build_module(module_class, **kwargs):
     torch.manual_seed(0)  # the same initial weights on every rank and in the reference
-    return module_class(transformer_config=TINY, fsdp2_param_dtype="float32", shift_rule="fixed", shift=3.0)
+    kwargs = kwargs or dict(transformer_config=TINY, fsdp2_param_dtype="float32")
+    return module_class(warmup_steps=0, **kwargs)
 
 
-def run_two_ranks(out_dir: Path) -> None:
+def _trainer(out_dir: Path, callbacks):
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    return L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
+                     tensor_parallel_size=1), max_steps=1, gradient_clip_val=CLIP, use_distributed_sampler=False,
+                     callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=str(out_dir))
+
+
+def mean_loss_backward(reference, drawn_files: list[Path]) -> None:
+    """Backward of the mean loss over the 4 samples of both ranks (with the sigma and noise each rank
+    drew) through one unsharded model: what scale_loss_to_global_mean + FSDP2's gradient average give."""
+    from safetensors.torch import load_file
+
+    total = 0
+    for rank, path in enumerate(drawn_files):
+        drawn, batch = load_file(str(path)), rank_batch(rank)
+        n = batch["latents"].shape[0]
+        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
+                                                             drawn["noise"])
+    total.backward()
+
+
+def _run_script(mode: str, out_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)  # a fresh two-process rendezvous
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, str(out_dir)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def run_two_ranks(out_dir: Path) -> None:
     from examples.wan.module import WanModule
     from lightning_adaptiveload.callbacks import FusedAdaLNSurgery, PerBucketCheckpointing
 
     class Recording(WanModule):
-        def flow_matching_loss(self, latents, text, sigma, noise):
+        def per_sample_loss(self, latents, text, sigma, noise):
             self.drawn = {"sigma": sigma.detach().clone(), "noise": noise.detach().clone()}
             self.depth = checkpointing.switch.checkpointed
-            return super().flow_matching_loss(latents, text, sigma, noise)
+            return super().per_sample_loss(latents, text, sigma, noise)
 
         def on_before_optimizer_step(self, optimizer):  # before Lightning clips
             self.grads = {name: p.grad.full_tensor() for name, p in self.transformer.named_parameters()}
@@ -61,11 +95,7 @@ def run_two_ranks(out_dir: Path) -> None:
     checkpointing = PerBucketCheckpointing(
         block_classes="diffusers.models.transformers.transformer_wan.WanTransformerBlock")
     module = build_module(Recording)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
-                        tensor_parallel_size=1), max_steps=1, gradient_clip_val=CLIP, use_distributed_sampler=False,
-                        callbacks=[FusedAdaLNSurgery(require_replacement=True), checkpointing], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(out_dir))
+    trainer = _trainer(out_dir, [FusedAdaLNSurgery(require_replacement=True), checkpointing])
     trainer.fit(module)
     rank = trainer.global_rank
     weight = module.transformer.blocks[0].ffn.net[0].proj.weight
@@ -80,12 +110,7 @@ def run_two_ranks(out_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_two_cpu_ranks_give_the_single_process_gradient_and_clip_the_global_norm(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        env.pop(key, None)  # a fresh two-process rendezvous
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    _run_script("gradient", tmp_path)
     from safetensors.torch import load_file
 
     from examples.wan.module import WanModule
@@ -99,13 +124,7 @@ def test_two_cpu_ranks_give_the_single_process_gradient_and_clip_the_global_norm
     # Reference: one unsharded fp32 model, the two ranks' samples with their sigma and noise, the
     # mean loss over all 4 samples (what scale_loss_to_global_mean + FSDP2's gradient average give).
     reference = build_module(WanModule)
-    total = 0
-    for rank in (0, 1):
-        drawn, batch = load_file(str(tmp_path / f"rank{rank}.safetensors")), rank_batch(rank)
-        n = batch["latents"].shape[0]
-        total = total + n / 4 * reference.flow_matching_loss(batch["latents"], batch["text"], drawn["sigma"],
-                                                             drawn["noise"])
-    total.backward()
+    mean_loss_backward(reference, [tmp_path / f"rank{rank}.safetensors" for rank in (0, 1)])
     grads = load_file(str(tmp_path / "grads.safetensors"))
     assert grads.keys() == dict(reference.transformer.named_parameters()).keys()
     for name, param in reference.transformer.named_parameters():
@@ -150,6 +169,113 @@ def test_a_mid_epoch_fsdp2_checkpoint_resumes_without_repeating_or_losing_a_samp
     assert len(trained) == len(set(trained)) == NUM_SAMPLES - skipped.skipped["over_max_seq_len"] > 0.9 * NUM_SAMPLES
 
 
+def run_pretrained_bf16(out_dir: Path) -> None:
+    """bf16 compute from the pretrained folder out_dir/pretrained: what each rank read from the files,
+    the weights right after loading, the dtypes inside the forward, the FSDP groups, the gradients."""
+    import examples.wan.loading as loading
+    from examples.wan.module import WanModule
+    from lightning_adaptiveload.callbacks import FusedAdaLNSurgery, PerBucketCheckpointing
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FSDPModule
+
+    reads = []
+    read_rows = loading.read_rows
+    loading.read_rows = lambda file, key, index: reads.append((key, [[i.start, i.stop] for i in index])) \
+        or read_rows(file, key, index)
+
+    class Recording(WanModule):
+        def on_fit_start(self):
+            t = self.transformer
+            self.loaded = {n: v.full_tensor() for n, v in t.state_dict().items()}  # every rank: a collective
+            self.groups = sorted(n for n, m in t.named_modules() if isinstance(m, FSDPModule))
+            self.seen = seen = {}
+            embedder = t.condition_embedder.time_embedder
+            embedder.linear_1.register_forward_hook(lambda m, a, o: seen.update(
+                time_weight=str(m.weight.dtype), time_input=str(a[0].dtype), time_output=str(o.dtype)))
+            # pre-hooks on the groups' own modules: after FSDP's unshard, before its reshard
+            t.patch_embedding.register_forward_pre_hook(lambda m, a: seen.update(patch_weight=str(m.weight.dtype)))
+            t.proj_out.register_forward_pre_hook(lambda m, a: seen.update(proj_out_weight=str(m.weight.dtype)))
+            t.blocks[0].attn1.to_q.register_forward_hook(lambda m, a, o: seen.update(
+                attn_weight=str(m.weight.dtype), block_scale_shift_table=str(t.blocks[0].scale_shift_table.dtype)))
+            t.norm_out.register_forward_hook(lambda m, a, o: seen.update(
+                norm_out_output=str(o.dtype), output_scale_shift_table=str(t.scale_shift_table.dtype)))
+
+        def per_sample_loss(self, latents, text, sigma, noise):
+            self.drawn = {"sigma": sigma.detach().clone(), "noise": noise.detach().clone()}
+            return super().per_sample_loss(latents, text, sigma, noise)
+
+        def on_before_optimizer_step(self, optimizer):
+            self.grads = {name: p.grad.full_tensor() for name, p in self.transformer.named_parameters()}
+            self.master = {name: str(p.dtype) for name, p in self.transformer.named_parameters()}
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([rank_batch(self.global_rank)], batch_size=None)
+
+    torch.set_num_threads(1)
+    block = "diffusers.models.transformers.transformer_wan.WanTransformerBlock"
+    module = build_module(Recording, pretrained=str(out_dir / "pretrained"), fsdp2_param_dtype="bfloat16")
+    trainer = _trainer(out_dir, [FusedAdaLNSurgery(require_replacement=True),
+                                 PerBucketCheckpointing(block_classes=block)])
+    trainer.fit(module)
+    rank = trainer.global_rank
+    save_file(module.drawn, str(out_dir / f"drawn{rank}.safetensors"))
+    info = {"reads": reads, "seen": module.seen, "groups": module.groups, "master": module.master}
+    (out_dir / f"bf16_rank{rank}.json").write_text(json.dumps(info))
+    if rank == 0:
+        save_file(module.grads, str(out_dir / "bf16_grads.safetensors"))
+        save_file(module.loaded, str(out_dir / "loaded.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_read_only_their_shards_and_keep_the_fp32_modules_in_fp32(tmp_path):
+    import diffusers
+    from safetensors.torch import load_file
+
+    from examples.wan.module import WanModule
+
+    torch.manual_seed(0)
+    reference_model = diffusers.WanTransformer3DModel(**TINY)
+    reference_model.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")  # several files + index
+    _run_script("pretrained_bf16", tmp_path)
+    infos = [json.loads((tmp_path / f"bf16_rank{r}.json").read_text()) for r in (0, 1)]
+
+    # each rank read its own rows of every parameter, together every row once
+    expected = reference_model.state_dict()
+    for name, value in expected.items():
+        rows = value.shape[0]
+        chunk = -(-rows // 2)
+        got = [[index for key, index in info["reads"] if key == name] for info in infos]
+        spans = [(r * chunk, min((r + 1) * chunk, rows)) for r in (0, 1)]
+        for rank in (0, 1):
+            begin, end = spans[rank]
+            wanted = [] if begin >= end else [[[begin, end]] + [[0, n] for n in value.shape[1:]]]
+            assert got[rank] == wanted, (name, rank, got[rank])
+    loaded = load_file(str(tmp_path / "loaded.safetensors"))
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())  # bit-exact after sharding
+
+    # the groups: every block, each bf16 module of the root, and the root (what is kept in fp32)
+    assert infos[0]["groups"] == ["", "blocks.0", "blocks.1", "condition_embedder.text_embedder",
+                                  "condition_embedder.time_proj", "patch_embedding", "proj_out"]
+    for info in infos:
+        seen = info["seen"]
+        fp32 = ("time_weight", "time_input", "time_output", "output_scale_shift_table", "norm_out_output")
+        assert all(seen[k] == "torch.float32" for k in fp32), seen
+        bf16 = ("patch_weight", "proj_out_weight", "attn_weight", "block_scale_shift_table")  # the block's: doc
+        assert all(seen[k] == "torch.bfloat16" for k in bf16), seen
+        assert set(info["master"].values()) == {"torch.float32"}  # sharded master weights stay fp32
+
+    # the gradient of the mean loss over the 4 samples, against one unsharded fp32 model: bf16 compute
+    # is close, and a group reduced wrongly (summed, or missing a rank) would be off by 2x or more
+    reference = build_module(WanModule, transformer_config=TINY, fsdp2_param_dtype="float32")
+    reference.transformer.load_state_dict(expected)
+    mean_loss_backward(reference, [tmp_path / f"drawn{rank}.safetensors" for rank in (0, 1)])
+    grads = load_file(str(tmp_path / "bf16_grads.safetensors"))
+    for name, param in reference.transformer.named_parameters():
+        error = ((grads[name] - param.grad).norm() / param.grad.norm()).item()
+        assert error < 0.1, (name, error)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    run_two_ranks(Path(sys.argv[1]))
+    {"gradient": run_two_ranks, "pretrained_bf16": run_pretrained_bf16}[sys.argv[1]](Path(sys.argv[2]))

@@ -1,7 +1,9 @@
 """examples/wan: WanModule trains diffusers' WanTransformer3DModel. The loss against the
-flow-matching formula by hand (fp64), the timestep shift rules at hand-picked points, the loss
-scaling, forward + backward on the DataModule's batch format, fused-AdaLN surgery of every block,
-FSDP2 (ModelParallelStrategy) on one CPU process, the configs, and the CPU demo end to end."""
+flow-matching formula by hand (fp64), the loss scaling, forward + backward on the DataModule's batch
+format, the optimizer and its warm-up, fused-AdaLN surgery of every block, FSDP2
+(ModelParallelStrategy) on one CPU process, the configs, and the CPU demo end to end. The noise
+levels, caption dropout and loss weighting: test_wan_objective.py; loading: test_wan_loading.py;
+precision: test_wan_precision.py; the EMA: test_wan_ema.py."""
 import copy
 import csv
 import json
@@ -16,8 +18,7 @@ import yaml
 
 diffusers = pytest.importorskip("diffusers")
 
-from examples.wan.module import (WAN21_T2V_1_3B, WanModule, load_pretrained_transformer, shift_sigmas,  # noqa: E402
-                                 token_dependent_shift)
+from examples.wan.module import WAN21_T2V_1_3B, WanModule  # noqa: E402
 from lightning_adaptiveload.cli import main  # noqa: E402
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
 from lightning_adaptiveload.surgery import apply_fused_adaln  # noqa: E402
@@ -70,45 +71,16 @@ def test_transformer_config_overrides_key_by_key_and_rejects_unknown_keys():
     for bad, match in [(dict(compile="fast"), "compile must be one of"), (dict(shift_rule="flux"), "shift_rule"),
                        (dict(timestep_sampling="beta"), "timestep_sampling"),
                        (dict(shift=0.0), "shift must be a finite number > 0"),
-                       (dict(shift_reference_tokens=0), "shift_reference_tokens"),
+                       (dict(shift_reference_area=0), "shift_reference_area"), (dict(shift_min=0), "shift_min"),
+                       (dict(caption_dropout=1.0), "caption_dropout must be a probability"),
+                       (dict(caption_dropout=-0.1), "caption_dropout"),
+                       (dict(loss_weighting="pixel"), "loss_weighting"),
+                       (dict(loss_weighting="token"), "loss_reference_tokens"),
+                       (dict(lr=0), "lr"), (dict(warmup_steps=-1), "warmup_steps"),
+                       (dict(ema_decay=1.0), "ema_decay must be in"),
                        (dict(fsdp2_param_dtype="float16"), "fsdp2_param_dtype")]:
         with pytest.raises(ValueError, match=match):
             WanModule(transformer_config=TINY, **bad)
-
-
-def test_pretrained_loads_a_local_safetensors_folder_only(tmp_path):
-    reference = _tiny().transformer
-    reference.save_pretrained(tmp_path / "pipeline" / "transformer")  # safetensors by default
-    for folder in (tmp_path / "pipeline" / "transformer", tmp_path / "pipeline"):  # model or pipeline folder
-        module = WanModule(pretrained=str(folder))
-        loaded = module.transformer.state_dict()
-        assert loaded.keys() == reference.state_dict().keys()
-        assert all(torch.equal(loaded[k], v) for k, v in reference.state_dict().items())
-        assert all(p.dtype == torch.float32 for p in module.parameters())
-    with pytest.raises(FileNotFoundError, match="not a local diffusers transformer folder"):
-        WanModule(pretrained=str(tmp_path / "missing"))
-    pickled = tmp_path / "pickled"
-    reference.save_pretrained(pickled, safe_serialization=False)  # diffusion_pytorch_model.bin
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
-        load_pretrained_transformer(str(pickled))
-    shape_mismatch = tmp_path / "other"
-    _tiny(transformer_config={**TINY, "num_layers": 3}).transformer.save_pretrained(shape_mismatch)
-    (shape_mismatch / "config.json").write_text((tmp_path / "pipeline" / "transformer" / "config.json").read_text())
-    with pytest.raises(ValueError, match="unexpected \\['blocks.2"):
-        load_pretrained_transformer(str(shape_mismatch))
-    # the batch checks follow the loaded config, not the default one
-    six_channels = _tiny(transformer_config={**TINY, "in_channels": 6, "out_channels": 6}).transformer
-    six_channels.save_pretrained(tmp_path / "six")
-    six = WanModule(pretrained=str(tmp_path / "six"))
-    six.log = lambda *args, **kw: None
-    batch = {"latents": torch.randn(1, 6, 1, 4, 4), "text": torch.randn(1, 5, 32)}
-    assert torch.isfinite(six.training_step(batch, 0)["loss"])
-    with pytest.raises(ValueError, match=r"must be \(B, 6, T, H, W\)"):
-        six.training_step(_batch(), 0)
-    with pytest.raises(ValueError, match="not both"):
-        WanModule(pretrained=str(tmp_path / "pipeline"), transformer_config={"num_layers": 1})
-    with pytest.raises(ValueError, match="text-to-video Wan: in_channels == out_channels"):
-        WanModule(transformer_config={**TINY, "in_channels": 36})
 
 
 def test_configure_model_builds_when_deferred_and_compiles_every_block_once():
@@ -156,60 +128,21 @@ def test_loss_is_the_flow_matching_formula_by_hand_fp64():
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("u, shift, expected", [
-    (0.5, 5.0, 2.5 / 3.0),      # 5 * 0.5 / (1 + 4 * 0.5)
-    (0.25, 3.0, 0.5),           # 0.75 / 1.5
-    (0.1, 0.5, 0.05 / 0.95),    # shift < 1 moves toward clean
-    (0.37, 1.0, 0.37),          # identity
-    (0.0, 5.0, 0.0), (1.0, 5.0, 1.0),  # the ends stay
-])
-def test_shift_formula_at_hand_picked_points(u, shift, expected):
-    got = shift_sigmas(torch.tensor([u], dtype=torch.float64), shift)
-    assert got.item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
-    # Flux's form of the same map, exp(mu) / (exp(mu) + 1/u - 1) with exp(mu) = shift
-    if 0 < u < 1:
-        assert got.item() == pytest.approx(shift / (shift + 1 / u - 1), rel=1e-12)
-
-
-def test_token_dependent_shift_grows_like_sqrt_tokens():
-    assert token_dependent_shift(75600, 5.0, 75600) == 5.0                  # 81 frames of 720x1280
-    assert token_dependent_shift(32760, 5.0, 75600) == pytest.approx(3.2914, abs=1e-4)  # 81 x 480x832
-    assert token_dependent_shift(3600, 5.0, 75600) == pytest.approx(1.0911, abs=1e-4)   # a 720p image
-    assert token_dependent_shift(4 * 75600, 5.0, 75600) == pytest.approx(10.0)
-    sqrt_rule = _tiny()
-    assert sqrt_rule.shift_for(32760) == pytest.approx(5 * math.sqrt(32760 / 75600))
-    fixed = _tiny(shift_rule="fixed", shift=3.0)
-    assert fixed.shift_for(16) == fixed.shift_for(75600) == 3.0
-
-
-@pytest.mark.parametrize("sampling, median_u", [("uniform", 0.5), ("logit_normal", 1 / (1 + math.exp(-0.5)))])
-def test_sigma_sampling_draws_u_then_shifts_it(sampling, median_u):
-    module = _tiny(timestep_sampling=sampling, logit_mean=0.5, logit_std=1.2, shift_rule="fixed", shift=3.0)
-    torch.manual_seed(3)
-    sigma = module.sample_sigmas(6, tokens=100, device="cpu")
-    torch.manual_seed(3)  # the same draws by hand
-    u = torch.rand(6) if sampling == "uniform" else torch.sigmoid(0.5 + 1.2 * torch.randn(6))
-    torch.testing.assert_close(sigma, 3 * u / (1 + 2 * u), rtol=1e-6, atol=0)
-    # the shift is monotone, so the median of sigma is the shifted median of u
-    torch.manual_seed(4)
-    many = module.sample_sigmas(40000, tokens=100, device="cpu")
-    assert many.min() >= 0 and many.max() <= 1
-    assert many.median().item() == pytest.approx(3 * median_u / (1 + 2 * median_u), abs=0.01)
-
-
-def test_sigma_shift_follows_the_batch_tokens():
-    module = _tiny(shift=2.0, shift_reference_tokens=24)  # tiny patch grid: (3, 4, 6) latents are 3*2*3 = 18 tokens
+def test_sigma_shift_follows_the_batch_frame_area():
+    module = _tiny(shift_rule="sqrt_area", shift=2.0, shift_reference_area=24)
     seen = {}
     original = module.sample_sigmas
 
-    def spy(batch_size, tokens, device):
-        seen["tokens"] = tokens
-        return original(batch_size, tokens, device)
+    def spy(batch_size, frame_tokens, device):
+        seen["frame_tokens"] = frame_tokens
+        return original(batch_size, frame_tokens, device)
 
     module.sample_sigmas = spy
-    module.training_step(_batch(), 0)
-    assert seen["tokens"] == 18
-    assert module.shift_for(18) == pytest.approx(2.0 * math.sqrt(18 / 24))
+    module.training_step(_batch(thw=(3, 4, 6)), 0)  # patch (1, 2, 2): 3 frames of 2 x 3 tokens
+    assert seen["frame_tokens"] == 6
+    assert module.shift_for(6) == 1.0  # 2 * sqrt(6 / 24) = 1, the floor
+    assert module.shift_for(96) == pytest.approx(2.0 * math.sqrt(96 / 24))
+    assert _tiny().shift_for(6) == _tiny().shift_for(10**6) == 3.0  # the default: fixed 3
 
 
 def test_training_step_draws_sigma_then_noise_and_returns_the_unscaled_loss_too(monkeypatch):
@@ -227,7 +160,7 @@ def test_training_step_draws_sigma_then_noise_and_returns_the_unscaled_loss_too(
     torch.manual_seed(7)
     out = module.training_step(batch, 0)
     torch.manual_seed(7)
-    sigma = module.sample_sigmas(3, 18, "cpu")
+    sigma = module.sample_sigmas(3, 6, "cpu")
     expected = module.flow_matching_loss(batch["latents"], batch["text"], sigma, torch.randn(batch["latents"].shape))
     assert calls == [3]  # the rank's sample count
     torch.testing.assert_close(out["local_loss"], expected.detach(), rtol=0, atol=0)
@@ -255,11 +188,28 @@ def test_training_step_runs_forward_and_backward_on_a_datamodule_batch():
     for name, param in module.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
         assert param.grad.abs().sum() > 0, name
-    opt = module.configure_optimizers()
+    opt = module.configure_optimizers()["optimizer"]
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == module.hparams.lr
     before = [p.detach().clone() for p in module.parameters()]
     opt.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
+
+
+def test_optimizer_defaults_are_a_full_fine_tune_with_a_linear_warm_up():
+    module = _tiny()
+    hp = module.hparams
+    assert (hp.lr, hp.warmup_steps, hp.weight_decay, hp.ema_decay) == (1e-5, 100, 0.01, None)
+    module = _tiny(lr=2e-5, warmup_steps=4)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert config["lr_scheduler"]["interval"] == "step"  # per optimizer step, not per epoch
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([2e-5 * k / 4 for k in (1, 2, 3, 4)] + [2e-5, 2e-5], rel=1e-12)
+    assert isinstance(_tiny(warmup_steps=0).configure_optimizers(), torch.optim.AdamW)  # no scheduler
 
 
 @pytest.mark.parametrize("bad, match", [

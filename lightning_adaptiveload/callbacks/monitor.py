@@ -229,6 +229,8 @@ class LoadBalanceMonitor(Callback):
         self.overhead_ms += (time.perf_counter() - t0) * 1e3
         self._log_data_counters(trainer)
         self.summary = self.tracker.summary(self.overhead_ms / max(self.steps_seen, 1))
+        if self.summary:
+            self.summary["log_every_n_steps"] = trainer.log_every_n_steps
         if "busy_steps" in self.summary:  # this rank's profiler cost: one-off warm-up, per window
             self.summary.update(busy_warm_up_ms=self.busy_warm_up_ms,
                                 busy_window_ms_per_step=self.busy_window_ms / self.summary["busy_steps"])

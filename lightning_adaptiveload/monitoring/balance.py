@@ -42,7 +42,8 @@ class BalanceTracker:
         # update's per_step. Sums over steps and ranks come from _rank_sums instead.
         self._series: dict[str, list[np.ndarray]] = collections.defaultdict(list)
         self._rank_sums = np.zeros((self.world_size, len(FIELDS)))
-        self._busy_sums = np.zeros((self.world_size, 2))  # busy_ms, comm_ms summed over profiled steps
+        # busy_ms, comm_ms and the step's own step_time_ms, summed over the profiled steps
+        self._busy_sums = np.zeros((self.world_size, 3))
         self._busy_steps = 0
         self._last = np.full((self.world_size, len(FIELDS)), np.nan)  # latest row of each rank
         self.memory_budget_bytes = memory_budget_bytes
@@ -86,7 +87,8 @@ class BalanceTracker:
         busy_sums = None
         if n_profiled:
             busy = col("busy_ms")[profiled]
-            busy_sums = np.stack([busy.sum(axis=0), col("comm_ms")[profiled].sum(axis=0)], axis=1)  # (ranks, 2)
+            busy_sums = np.stack([busy.sum(axis=0), col("comm_ms")[profiled].sum(axis=0),
+                                  step_ms[profiled].sum(axis=0)], axis=1)  # (ranks, 3)
             per_step["busy_cv"] = metrics.cv_across_ranks(busy)
             per_step["busy_max_over_mean"] = metrics.max_over_mean(busy)
             out["balance/busy_cv"] = metrics.mean_over_steps(per_step["busy_cv"])
@@ -99,7 +101,7 @@ class BalanceTracker:
             for name in ("step_time_ms", "load", "tokens"):
                 out[f"rank{r}/{name}"] = float(means[r, COLUMN[name]])
             if busy_sums is not None:
-                out[f"rank{r}/busy_ms"], out[f"rank{r}/comm_ms"] = (busy_sums[r] / n_profiled).tolist()
+                out[f"rank{r}/busy_ms"], out[f"rank{r}/comm_ms"] = (busy_sums[r, :2] / n_profiled).tolist()
         out.update(self._memory(col("peak_allocated_bytes"), col("peak_reserved_bytes")))
         self._last = rows[-1]
         out.update({f"compile/{name}": value for name, value in self.compile_counts().items()
@@ -169,6 +171,7 @@ class BalanceTracker:
             out["unpredicted_ms_mean"] = metrics.mean_over_steps(run["unpredicted_ms"])
         if "busy_cv" in run:
             out.update({"busy_steps": self._busy_steps,
+                        "busy_step_time_ms_mean": float(self._busy_sums[:, 2].mean()) / self._busy_steps,
                         "busy_cv_mean": metrics.mean_over_steps(run["busy_cv"]),
                         "busy_max_over_mean_mean": metrics.mean_over_steps(run["busy_max_over_mean"])})
         out.update({f"compile_{name}": value for name, value in self.compile_counts().items()})
@@ -180,13 +183,19 @@ class BalanceTracker:
 
     def format_summary(self, summary: dict) -> str:
         """The end-of-fit table: one row per rank (means over the fit; busy and comm over the
-        profiled steps), then the run's balance from `summary` (as returned by summary())."""
+        profiled steps), then the run's balance from `summary` (as returned by summary(); with
+        `log_every_n_steps` and `busy_window_ms_per_step` in it, what made the monitor's overhead)."""
         means = self._rank_sums / max(self.steps, 1)
         busy = self._busy_sums / self._busy_steps if self._busy_steps else np.full_like(self._busy_sums, np.nan)
         lines = [f"LoadBalanceMonitor: {summary['steps']} steps x {summary['world_size']} ranks "
                  f"(load in {summary['load_unit']})"]
         lines += format_rank_table({name: means[:, COLUMN[name]] for name in _PER_RANK_MEANS}
                                    | {"busy_ms": busy[:, 0], "comm_ms": busy[:, 1]})
+        if self._busy_steps:
+            # A profiled step is one batch shape, slowed by the profiler: busy_ms compares with its
+            # own step time and across ranks, not with step_ms, the mean over every step.
+            lines.append(f"      busy_ms, comm_ms: the {self._busy_steps} profiled step(s) only, whose step_ms was "
+                         f"{summary['busy_step_time_ms_mean']:.2f} (profiler on); step_ms: all {summary['steps']} steps")
         lines += [
             f"load CV (mean / max over steps):  {summary['load_cv_mean']:.4f} / {summary['load_cv_max']:.4f}",
             f"load max/mean (mean):             {summary['load_max_over_mean_mean']:.4f}",
@@ -212,4 +221,13 @@ class BalanceTracker:
         lines.append(f"monitor overhead:                 {summary['monitor_overhead_ms_per_step']:.3f} ms/step "
                      f"({100 * summary['monitor_overhead_frac']:.2f}% of mean step time "
                      f"{summary['step_time_ms_mean']:.2f} ms)")
+        if "log_every_n_steps" in summary:
+            profiled = ""
+            if "busy_window_ms_per_step" in summary:
+                share = summary["busy_window_ms_per_step"] * summary["busy_steps"] / summary["steps"]
+                profiled = (f", {summary['busy_steps']} profiled step(s) in {summary['steps']} "
+                            f"({share:.3f} ms/step of it)")
+            lines.append(f"                                  here: a gather and CSV append every "
+                         f"{summary['log_every_n_steps']} steps{profiled}; "
+                         f"less with a larger log_every_n_steps (docs/monitoring.md, Overhead)")
         return "\n".join(lines)

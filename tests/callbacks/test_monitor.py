@@ -221,11 +221,14 @@ def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys, monkeypatch):
     assert summary["steps"] == len(SHAPES) and summary["busy_steps"] == 2
     assert summary["step_time_cv_temporal_run"] == pytest.approx(_pcv(step_ms), rel=1e-3)
     assert summary["monitor_overhead_ms_per_step"] > 0
+    assert summary["log_every_n_steps"] == trainer.log_every_n_steps
+    assert summary["busy_step_time_ms_mean"] == pytest.approx(np.mean([step_ms[s] for s in profiled]), rel=1e-4)
     assert summary["unpredicted_ms_mean"] == pytest.approx(
         np.mean(np.subtract(step_ms, [float(r["load"]) for r in rows])), rel=1e-4, abs=1e-3)
     out = capsys.readouterr().out
     assert "LoadBalanceMonitor: 7 steps x 1 ranks" in out and "monitor overhead" in out
     assert "step time beyond the cost model" in out
+    assert f"here: a gather and CSV append every {trainer.log_every_n_steps} steps, 2 profiled step(s) in 7" in out
 
 
 def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):

@@ -101,3 +101,29 @@ def test_demo_config_trains_a_few_steps_on_cpu(tmp_path, capsys, caplog):
     both = printed.out + printed.err + caplog.text  # Lightning's info lines go through logging
     assert "bucket table after calibration" in both and "CostModelCalibration" in both
     assert (tmp_path / "shards").is_dir() and (tmp_path / "index.jsonl").exists()
+
+
+@pytest.mark.parametrize("epochs", [None, 3])
+def test_rich_progress_bar_title_of_a_step_bounded_run(tmp_path, epochs):
+    """max_steps alone leaves max_epochs at -1 (no epoch limit): the bar's title has no epoch total
+    (Lightning's RichProgressBar printed `Epoch 0/-2`); with max_epochs N it keeps `Epoch 0/N-1`."""
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.loops.utilities import _parse_loop_limits
+
+    from lightning_adaptiveload.cli.fit import cli_class
+
+    args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"]
+    args += [] if epochs is None else ["--trainer.max_epochs", str(epochs)]
+    cli = cli_class()(subclass_mode_model=True, subclass_mode_data=True, args=args, run=False)
+    trainer = cli.trainer
+    # the epoch limit as Trainer.fit sets it when it starts (Trainer._run)
+    trainer.fit_loop.max_epochs = _parse_loop_limits(trainer.min_steps, trainer.max_steps, trainer.min_epochs,
+                                                     trainer.max_epochs, trainer)[1]
+    assert trainer.max_epochs == (-1 if epochs is None else epochs)
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, RichProgressBar) and type(bar) is not RichProgressBar
+    bar.setup(trainer, cli.model, stage="fit")
+    title = bar._get_train_description(7)
+    assert title.rstrip() == ("Epoch 7" if epochs is None else f"Epoch 7/{epochs - 1}")
+    assert len(title) >= len(bar.validation_description)  # padded as Lightning pads it

@@ -106,6 +106,30 @@ def test_interval_metrics_and_summary_match_formulas():
     rank1 = next(line for line in table.splitlines() if line.split()[:1] == ["1"]).split()
     assert float(rank1[5]) == pytest.approx(statistics.fmean(x[1] for x in ms), abs=0.01)
     assert float(rank1[6]) == pytest.approx(statistics.fmean(x[1] for x in busy), abs=0.01)
+    # busy time is the profiled steps' own: the table names their step time, the mean over those
+    # steps and the ranks, beside step_ms over every step
+    profiled_ms = statistics.fmean(v for i in range(len(run)) if np.isfinite(run[i, 0, COLUMN["busy_ms"]])
+                                   for v in ms[i])
+    assert summary["busy_step_time_ms_mean"] == pytest.approx(profiled_ms, rel=1e-12)
+    assert f"the 3 profiled step(s) only, whose step_ms was {profiled_ms:.2f}" in table
+    assert f"step_ms: all {len(run)} steps" in table
+    assert "here:" not in table  # the monitor adds log_every_n_steps; the tracker alone has no interval
+
+
+def test_overhead_line_says_what_the_fit_paid_for():
+    rng = np.random.default_rng(3)
+    tracker = BalanceTracker(RANKS, window=WINDOW)
+    tracker.update(_interval(rng, 5, set()))
+    tracker.update(_interval(rng, 5, {4}))
+    summary = tracker.summary(overhead_ms_per_step=1.5) | {"log_every_n_steps": 5, "busy_window_ms_per_step": 86.0}
+    table = tracker.format_summary(summary)
+    # one window of 86 ms spread over the 10 steps
+    assert "here: a gather and CSV append every 5 steps, 1 profiled step(s) in 10 (8.600 ms/step of it)" in table
+    no_busy = BalanceTracker(RANKS, window=WINDOW)
+    no_busy.update(_interval(rng, 4, set()))
+    table = no_busy.format_summary(no_busy.summary(0.2) | {"log_every_n_steps": 50})
+    assert "here: a gather and CSV append every 50 steps; less with a larger log_every_n_steps" in table
+    assert "profiled step(s) only" not in table
 
 
 def test_proxy_load_and_bad_rows():

@@ -55,6 +55,7 @@ class ExternalBackend:
     module: str
     function: str
     package: str  # what to install
+    devices: tuple[str, ...] = ("cuda",)
 
     def load(self) -> Callable:
         """The attention function; ImportError (or whatever the import raised) when it cannot be had."""
@@ -94,14 +95,14 @@ def candidate_backends(device_type: str) -> list[str]:
     return ["flash", "efficient", "cudnn"] + [n for n, why in external_status().items() if why is None]
 
 
-def external_unsupported(args: dict) -> str | None:
+def external_unsupported(args: dict, backend: ExternalBackend) -> str | None:
     """Why an external FlashAttention cannot take this call (None: it can): they take no mask or
-    dropout, 4-D (B, h, S, d) inputs of fp16/bf16, one head dim <= 256."""
+    dropout, 4-D (B, h, S, d) inputs of fp16/bf16 on their devices, one head dim <= 256."""
     q, k, v = args["query"], args["key"], args["value"]
     if args["attn_mask"] is not None or args["dropout_p"]:
         return "an attention mask or dropout"
-    if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type != "cuda":
-        return f"{q.dim()}-D {q.dtype} on {q.device.type} (needs 4-D fp16/bf16 on CUDA)"
+    if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type not in backend.devices:
+        return f"{q.dim()}-D {q.dtype} on {q.device.type} (needs 4-D fp16/bf16 on {', '.join(backend.devices)})"
     if q.size(-1) != v.size(-1) or q.size(-1) > 256 or q.size(1) % k.size(1):
         return "head dims or head counts it does not take"
     return None
@@ -121,7 +122,7 @@ def run_external(fn: Callable, args: dict) -> torch.Tensor:
 
 def _priority(name: str, strict: bool) -> tuple[SDPBackend, ...]:
     """`name` first, then (unless strict) torch's other kernels, math last: a call the chosen kernel
-    refuses still runs."""
+    refuses still runs. (torch's CPU selection ignores a priority order: flash, then math, always.)"""
     if strict:
         return (TORCH_BACKENDS[name],)
     return (TORCH_BACKENDS[name],) + tuple(b for n, b in TORCH_BACKENDS.items() if n != name)
@@ -142,7 +143,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if isinstance(active[0], str):
         name, strict = active
         args = bind_sdpa_arguments((query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), {})
-        why = external_unsupported(args)
+        why = external_unsupported(args, EXTERNAL_BACKENDS[name])
         if why is None:
             return run_external(_externals[name], args)
         if strict:
@@ -214,15 +215,16 @@ def torch_choice(call_args: dict) -> str | None:
 
 def backends_run(fn: Callable[[], object]) -> set[str]:
     """The torch attention backends whose aten ops ran during fn() (profiled: CPU-side op events,
-    which inductor's extern kernels emit too), e.g. {"flash"}; "math" where its op or, in a compiled
-    graph that decomposed it, no fused op ran but a softmax did."""
+    which inductor's extern kernels emit too), e.g. {"flash"}; "math" where its op ran or, in a
+    compiled graph that decomposed it, no fused attention op ran but batched matmuls or a softmax
+    did (so fn should run attention only)."""
     from torch.profiler import profile
 
     with profile() as prof:
         fn()
     keys = {e.key for e in prof.key_averages()}
     ran = {name for name, op in BACKEND_OPS.items() if any(k.startswith(op) for k in keys)}
-    if not ran and any("softmax" in k for k in keys):
+    if not ran and any("softmax" in k or k in ("aten::bmm", "aten::baddbmm") for k in keys):
         ran.add("math")
     return ran
 

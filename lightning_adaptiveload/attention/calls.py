@@ -104,6 +104,19 @@ class SdpaCall:
         flops = 2.0 * math.prod(batch_heads) * s_q * s_k * (d + d_v)
         return flops / 2 if self.is_causal else flops
 
+    @classmethod
+    def of_projections(cls, batch_size: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
+                       device_type: str = "cuda", count: int = 1) -> "SdpaCall":
+        """The call a Wan-style model makes: q (B, S_q, h, d), k and v (B, S_k, h, d) projections
+        transposed to (B, h, S, d) views (what the example model and diffusers' Wan hand SDPA for
+        cross-attention, and for v of self-attention)."""
+        def layout(seq):
+            return (batch_size, heads, seq, head_dim), (seq * heads * head_dim, head_dim, heads * head_dim, 1)
+
+        (q_shape, q_stride), (k_shape, k_stride) = layout(seq_q), layout(seq_k)
+        return cls(q_shape, q_stride, k_shape, k_stride, k_shape, k_stride, dtype=dtype, device_type=device_type,
+                   count=count)
+
     def with_batch(self, batch_size: int) -> "SdpaCall":
         """The call with its leading dim set to `batch_size` (strides kept: the same layout, fewer samples)."""
         require_int("batch_size", batch_size)

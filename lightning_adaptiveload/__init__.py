@@ -47,6 +47,7 @@ _EXPORTS = {
     "CostModelCalibration": "callbacks.calibration",
     "LoadBalanceMonitor": "callbacks.monitor",
     "FusedAdaLNSurgery": "callbacks.surgery",
+    "AttentionBackends": "callbacks.attention",
     # fused AdaLN: op, module, surgery
     "adaln_modulate": "ops.adaln",
     "ensure_extension": "ops.extension",

@@ -14,6 +14,8 @@
 #            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
 #            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
 #            it to the next call: compiled and compiled95 share one)
+#   encode   benchmarks/data/encode.py: the Wan 2.1 VAE and UMT5-XXL per clip (carry .whl-av: PyAV)
+#   crash    benchmarks/e2e/compile_crash.py: compile dynamic at 75,600 tokens, variant by variant (CRASH_ARGS)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
 # (the device tool returns at most 8 files); $OUT/summary.txt has one line per stage.
 set -uo pipefail
@@ -58,7 +60,7 @@ for stage in "$@"; do
       if ! python3 -c "import torch, lightning_adaptiveload._C" 2>/dev/null; then  # _C links against torch
         run build 300 python3 setup.py build_ext --inplace
         # the build, for a later call to carry (a fresh machine would spend the build again)
-        cp lightning_adaptiveload/_C*.so "$OUT/build/" 2>/dev/null
+        mkdir -p "$OUT/build" && for so in lightning_adaptiveload/_C*.so; do strip -g -o "$OUT/build/$(basename "$so")" "$so"; done
       fi
       run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())" ;;
     tests)  # TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran on this commit's csrc
@@ -83,11 +85,18 @@ for stage in "$@"; do
         cp "$dir"logs/version_0/{calibration.json,balance_per_rank.csv,metrics.csv} "$OUT/shipped/$name/" 2>/dev/null
       done
       cp -r .shipped_cache "$OUT/shipped/cache" 2>/dev/null ;;
+    encode)
+      [ -d .whl-av ] && [ ! -d /tmp/site/av ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target /tmp/site .whl-av/*.whl
+      run encode 300 python3 benchmarks/data/encode.py --out "$OUT/encode/encode_h200.json" ${ENCODE_ARGS:-} ;;
+    crash)
+      run crash "${CRASH_LIMIT_S:-540}" python3 benchmarks/e2e/compile_crash.py --out "$OUT/crash/compile_crash_h200.json" \
+        --budget-s $(( ${CRASH_LIMIT_S:-540} - 40 )) ${CRASH_ARGS:-} ;;
     *) note "unknown stage $stage"; status=1 ;;
   esac
 done
 note "done, status $status"
-tar -czf /tmp/results.tar.gz -C "$OUT" . 2>/dev/null
-find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} +
+tar -czf /tmp/results.tar.gz --exclude=./build -C "$OUT" . 2>/dev/null  # the build returns apart (it may be over 16 MiB)
+find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name build -exec rm -rf {} +
 mv /tmp/results.tar.gz "$OUT/results.tar.gz"
 exit $status

@@ -28,6 +28,7 @@ own measured tokens/s of that bucket; the run's time for them over the baseline'
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -153,8 +154,11 @@ def summarize_run(log_dir: Path) -> dict:
         buckets[str(s)] = {"samples": int(samples[at].sum()), "tokens": float(tokens[at].sum()),
                            "step_s": float(step_ms[at].sum()) / 1e3}
     over = verification.get("shapes") or []
+    startup = _time_to_first_step(log_dir)
     return {
         "calibration_s": calibration["seconds"], "verify_s": calibration["verify_seconds"],
+        "time_to_first_step_s": startup,
+        "setup_and_first_batch_s": None if startup is None else startup - calibration["seconds"] - calibration["verify_seconds"],
         "calibration_source": calibration["source"], "trusted": calibration["trusted"],
         "memory_plan_used": bool((calibration.get("memory_plan") or {}).get("used")),
         "allocator": calibration.get("allocator"),
@@ -175,6 +179,17 @@ def summarize_run(log_dir: Path) -> dict:
         "worst_shape_median_over_planned": max((abs(v["median_over_planned"]) for v in shapes.values()), default=None),
         "buckets": buckets,
     }
+
+
+def _time_to_first_step(log_dir: Path) -> float | None:
+    """LoadBalanceMonitor's startup/time_to_first_step_s from the run's metrics.csv (None if absent)."""
+    path = log_dir / "metrics.csv"
+    if not path.exists():
+        return None
+    with open(path, newline="") as f:
+        values = [float(row["startup/time_to_first_step_s"]) for row in csv.DictReader(f)
+                  if row.get("startup/time_to_first_step_s")]
+    return values[0] if values else None
 
 
 def common_sample_speedup(baseline: dict, other: dict) -> dict:
@@ -212,7 +227,7 @@ def compare(runs: dict) -> dict:
 
 
 def table(runs: dict, comparison: dict) -> str:
-    lines = [f"{'run':<11} {'exit':>5} {'OOM':>4} {'calib s':>8} {'verify s':>9} {'replan':>6} {'samples':>8} "
+    lines = [f"{'run':<11} {'exit':>5} {'OOM':>4} {'1st step s':>10} {'calib s':>8} {'verify s':>9} {'replan':>6} {'samples':>8} "
              f"{'epoch s':>8} {'tokens/s':>9} {'peak GiB':>9} {'budget':>7} {'over':>5} {'worst shape':>11} "
              f"{'x base':>7} {'x common':>8}"]
     for name, run in runs.items():
@@ -223,7 +238,8 @@ def table(runs: dict, comparison: dict) -> str:
         peak = max(r["peak_allocated_bytes"] or 0, r["peak_reserved_bytes"] or 0) / 2**30
         budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / 2**30:.1f}"
         c = comparison.get(name, {})
-        lines.append(f"{name:<11} {str(run['exit']):>5} {str(run['out_of_memory']):>4} {r['calibration_s']:>8.1f} "
+        first = "-" if r.get("time_to_first_step_s") is None else f"{r['time_to_first_step_s']:.1f}"
+        lines.append(f"{name:<11} {str(run['exit']):>5} {str(run['out_of_memory']):>4} {first:>10} {r['calibration_s']:>8.1f} "
                      f"{r['verify_s']:>9.1f} {r['verification']['replanned']:>6} {r['samples_trained']:>8} "
                      f"{r['epoch_s']:>8.1f} {r['tokens_per_s']:>9.0f} {peak:>9.1f} {budget:>7} "
                      f"{str(r['steps_over_budget']):>5} {100 * (r['worst_shape_median_over_planned'] or 0):>10.1f}% "

@@ -7,7 +7,9 @@ At each logged step (every `trainer.log_every_n_steps` optimizer steps) the rows
 the last log go through one all_gather (a float64 tensor of shape (steps, len(FIELDS)) per rank);
 rank 0 appends them to `balance_per_rank.csv` in the log dir (monitoring/per_rank_log.py) and logs
 the metrics of monitoring/balance.py's BalanceTracker through the Trainer's loggers.
-docs/monitoring.md defines each one.
+docs/monitoring.md defines each one. `startup/time_to_first_step_s` is the wall time from the start of
+`fit` (this callback's `setup`) to the first training batch: model setup, calibration, verification and
+the first batch's loading, what a user waits before training starts.
 """
 from __future__ import annotations
 
@@ -96,8 +98,14 @@ class LoadBalanceMonitor(Callback):
         self.busy_every_n_logs = int(busy_every_n_logs)
         self.verbose = verbose
         self.summary: dict = {}
+        self._fit_start: float | None = None
+        self.time_to_first_step_s: float | None = None
 
     # ---- per-fit state -------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._fit_start, self.time_to_first_step_s = time.perf_counter(), None
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._active_cost_model = (self.cost_model if self.cost_model is not None
                                    else _scheduling_cost_model(trainer.datamodule))
@@ -168,6 +176,12 @@ class LoadBalanceMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         t0 = time.perf_counter()
+        if self.time_to_first_step_s is None and self._fit_start is not None:
+            self.time_to_first_step_s = t0 - self._fit_start
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"startup/time_to_first_step_s": self.time_to_first_step_s},
+                                       step=trainer.global_step)
         samples, tokens, seq_len = batch_samples_and_seq_len(batch)
         if self._active_cost_model is not None:
             load = float(self._active_cost_model.predict(samples, seq_len))
@@ -234,8 +248,13 @@ class LoadBalanceMonitor(Callback):
         if "busy_steps" in self.summary:  # this rank's profiler cost: one-off warm-up, per window
             self.summary.update(busy_warm_up_ms=self.busy_warm_up_ms,
                                 busy_window_ms_per_step=self.busy_window_ms / self.summary["busy_steps"])
+        if self.summary and self.time_to_first_step_s is not None:
+            self.summary["time_to_first_step_s"] = self.time_to_first_step_s
         if trainer.is_global_zero and self.verbose and self.summary:
             print(self.tracker.format_summary(self.summary))
+            if "time_to_first_step_s" in self.summary:
+                print(f"time to first step:               {self.summary['time_to_first_step_s']:.1f} s from the start "
+                      f"of fit (setup, calibration, verification; calibration.json splits the last two)")
 
     # ---- gather, log, write ---------------------------------------------------------------
     def _flush(self, trainer: Trainer) -> None:

@@ -8,6 +8,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -229,6 +230,40 @@ def test_single_process_fit_logs_csv_and_metrics(tmp_path, capsys, monkeypatch):
     assert "LoadBalanceMonitor: 7 steps x 1 ranks" in out and "monitor overhead" in out
     assert "step time beyond the cost model" in out
     assert f"here: a gather and CSV append every {trainer.log_every_n_steps} steps, 2 profiled step(s) in 7" in out
+
+
+class _SlowStart(pl.Callback):
+    """Sleeps in on_fit_start (where calibration runs) and records, on its own, when the fit started
+    (setup) and when the first training batch came: the reference for the monitor's startup time."""
+
+    def __init__(self, sleep_s: float):
+        self.sleep_s, self.first_batch = sleep_s, None
+
+    def setup(self, trainer, pl_module, stage):
+        self.start = time.perf_counter()
+
+    def on_fit_start(self, trainer, pl_module):
+        time.sleep(self.sleep_s)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.first_batch is None:
+            self.first_batch = time.perf_counter()
+
+
+def test_time_to_first_step_covers_what_runs_before_training(tmp_path, capsys):
+    slow, monitor = _SlowStart(0.4), LoadBalanceMonitor(window=4, busy_every_n_logs=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(tmp_path, name="run"),
+                         log_every_n_steps=3, callbacks=[slow, monitor], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyModel(), datamodule=TinyData())
+    reference = slow.first_batch - slow.start  # the two callbacks' hooks run back to back
+    assert monitor.time_to_first_step_s >= slow.sleep_s
+    assert monitor.time_to_first_step_s == pytest.approx(reference, abs=0.05)
+    assert monitor.summary["time_to_first_step_s"] == monitor.time_to_first_step_s
+    logged = [m for m in _read_csv(f"{trainer.logger.log_dir}/metrics.csv") if m.get("startup/time_to_first_step_s")]
+    assert len(logged) == 1 and float(logged[0]["startup/time_to_first_step_s"]) == pytest.approx(
+        monitor.time_to_first_step_s)
+    assert f"time to first step:               {monitor.time_to_first_step_s:.1f} s" in capsys.readouterr().out
 
 
 def test_proxy_load_without_cost_model_and_grad_accumulation(tmp_path):

@@ -202,28 +202,35 @@ class PlanVerifier:
         """Every bucket's BucketLimit from the shapes measured in it and its pin, under the models as
         they are now: its frontier; its reserved gap (the largest measured in it, else in any bucket:
         one allocator for all); its activation scale (the largest measured / predicted activation
-        ratio of its shapes that ran, an out-of-memory one needing at least the device, plus
-        ACTIVATION_MARGIN; 1 where it has none); its batch bound."""
+        ratio of its shapes that ran, plus ACTIVATION_MARGIN; 1 where it has none), an out-of-memory
+        step's ratio taken as at least the largest a step that ran measured at the nearest depth (it
+        proves only that it needed more than the device; the model's error follows the depth, being
+        fitted at two and extrapolated to the others); its batch bound."""
         by_bucket: dict[int, list[MeasuredShape]] = {}
         for m in self.shapes.values():
             by_bucket.setdefault(m.seq_len, []).append(m)
         gaps = {s: max([m.gap_bytes for m in group if m.gap_bytes is not None], default=None)
                 for s, group in by_bucket.items()}
         any_gap = max([g for g in gaps.values() if g is not None], default=0.0)
+        gap_of = {s: any_gap if gaps.get(s) is None else gaps[s] for s in set(self.plan.buckets()) | set(by_bucket)}
+        ratios = {s: [(m, r) for m in group if (r := self._ratio(m, gap_of[s])) is not None]
+                  for s, group in by_bucket.items()}
+        known = [(self._depth(m.checkpointed), r) for pairs in ratios.values() for m, r in pairs if m.status != "oom"]
         self.limits = {}
-        for s in sorted(set(self.plan.buckets()) | set(by_bucket)):
+        for s in sorted(gap_of):
             if self.max_seq_len is not None and s > self.max_seq_len:
                 continue
             group = by_bucket.get(s, [])
-            gap = any_gap if gaps.get(s) is None else gaps[s]
-            scale = self._scale(s, group, gap)
+            own = [r if m.status != "oom" else max(r, _nearest(known, self._depth(m.checkpointed)))
+                   for m, r in ratios.get(s, [])]
+            scale = max(MIN_SCALE, max(own) * (1 + ACTIVATION_MARGIN)) if own else 1.0
             failed = [m for m in group if not m.fits]
             self.limits[s] = BucketLimit(
                 failed=tuple((m.batch_size, m.checkpointed) for m in failed),
                 fitted=tuple((m.batch_size, m.checkpointed) for m in group if m.fits),
-                memory_scale=scale, gap_bytes=gap,
-                batch_bound=min([self._batch_bound(s, m, scale, gap) for m in failed if self._every_depth(m.checkpointed)],
-                                default=None),
+                memory_scale=scale, gap_bytes=gap_of[s],
+                batch_bound=min([self._batch_bound(m, scale, gap_of[s]) for m in failed
+                                 if self._every_depth(m.checkpointed)], default=None),
                 pinned=self.pinned.get(s))
 
     def _prediction(self, b: int, latent_shape, k: int | None) -> tuple[float, float] | None:
@@ -235,21 +242,24 @@ class PlanVerifier:
         one, two = (self.plan.predict(ScheduledShape(n, latent_shape, 0, k))[1] for n in (1, 2))
         return 2 * one - two, peak
 
-    def _scale(self, seq_len: int, group: list[MeasuredShape], gap: float) -> float:
-        ratios = []
-        for m in group:
-            predicted = self._prediction(m.batch_size, m.latent_shape, m.checkpointed) if m.ran else None
-            if predicted is None or predicted[1] <= predicted[0]:
-                continue
-            static, peak = predicted
-            ratios.append((m.needed_bytes(self.device_bytes) - gap - static) / (peak - static))
-        return max(MIN_SCALE, max(ratios) * (1 + ACTIVATION_MARGIN)) if ratios else 1.0
+    def _ratio(self, m: MeasuredShape, gap: float) -> float | None:
+        """Measured over predicted activation bytes of a shape that ran, (held - gap - static) /
+        (predicted - static), an out-of-memory one holding the device; None without a prediction."""
+        predicted = self._prediction(m.batch_size, m.latent_shape, m.checkpointed) if m.ran else None
+        if predicted is None or predicted[1] <= predicted[0]:
+            return None
+        static, peak = predicted
+        return (m.needed_bytes(self.device_bytes) - gap - static) / (peak - static)
+
+    def _depth(self, k: int | None) -> int:
+        """k of a shape, None counting as every block checkpointed (0 without switchable blocks)."""
+        return (self.num_blocks or 0) if k is None else int(k)
 
     def _every_depth(self, k: int | None) -> bool:
         """Whether a failure at depth k rules out every depth (every block checkpointed, or no depth)."""
         return k is None or k == self.num_blocks
 
-    def _batch_bound(self, seq_len: int, failed: MeasuredShape, scale: float, gap: float) -> int:
+    def _batch_bound(self, failed: MeasuredShape, scale: float, gap: float) -> int:
         """The largest B below a failure at every depth that its bucket's corrected prediction fits in
         the budget, or without a memory model B in proportion to budget / held; at least 1."""
         b = failed.batch_size
@@ -410,6 +420,14 @@ class PlanVerifier:
                 break
         sizes = [fitting, 1] if fitting > 1 else [1]
         return [ScheduledShape(b, target.latent_shape, 0, k) for b in sizes]
+
+
+def _nearest(known: list[tuple[int, float]], k: int) -> float:
+    """The largest ratio of `known` (depth, ratio) pairs at the depth nearest k; 0 when there are none."""
+    if not known:
+        return 0.0
+    distance = min(abs(d - k) for d, _ in known)
+    return max(r for d, r in known if abs(d - k) == distance)
 
 
 def _describe_key(b: int, thw: Iterable[int] | None, k: int | None) -> str:

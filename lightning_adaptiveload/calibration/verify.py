@@ -6,11 +6,15 @@ batch sizes it never held (on an H200 the shipped config planned k = 0 and B up 
 k = 30 and 15, and ran out of memory in training). Verification measures what the plan will run:
 
     round r:  the bucket table and its scheduled shapes (full batches, then partial ones)
-              -> run each shape not measured yet, cold then warm (`measure`), peak allocated and
-                 reserved against the budget
-              -> a bucket whose full batch fits is pinned at it; one over the budget or out of memory
-                 gets a tighter BucketLimit: more blocks checkpointed at no larger B, and at every
-                 block checkpointed a smaller B (`tighten`)
+              -> run each shape not measured yet, cold then warm (`measure`), its held memory
+                 (max of allocated and reserved peak) against the budget; a shape whose corrected
+                 prediction exceeds the device is not run (predicted_oom)
+              -> a bucket whose full batch fits is pinned at it; every bucket's BucketLimit is
+                 derived from its measurements (`_relimit`): the frontier of what they prove (a
+                 failure at (b, k) rules out B >= b at k' <= k, a fit proves B <= b at k' >= k), and
+                 the correction of the model's peak to held memory (its activation part scaled by
+                 what the bucket measured, the reserved gap added), so the re-plan moves k by the
+                 measured per-block bytes in one jump
               -> `plan.refit(Verification)` when a shape did not fit: the models fitted again on
                  everything measured; `plan.apply(Verification)`: the limits and measured step
                  times handed to the DataModule; the schedule changes
@@ -51,7 +55,8 @@ class Plan(Protocol):
 
     def predict(self, shape: ScheduledShape) -> tuple[float | None, float | None]:
         """(step ms, peak bytes) the models predict for a shape (None where there is no model); the
-        verifier scales the peak by the bucket's memory_scale."""
+        verifier corrects the peak to held memory with the bucket's BucketLimit.held (its static
+        part is the prediction extrapolated to B = 0: the memory model is affine in B)."""
 
     def refit(self, verification: Verification) -> None:
         """Fit the models again on everything measured (a shape did not fit)."""

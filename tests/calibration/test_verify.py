@@ -28,6 +28,23 @@ def models():
             DepthCostModel(base, L, 0.25))
 
 
+def table_buckets(table: BucketTable) -> dict:
+    """verify.Plan.buckets of a bucket table."""
+    return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in table.rows()}
+
+
+def table_shapes(table: BucketTable) -> list[ScheduledShape]:
+    """verify.Plan.shapes of a bucket table: each bucket's full batches, then its rest."""
+    out = []
+    for r in table.rows():
+        full, rest = divmod(r["samples"], r["batch_size"])
+        if full:
+            out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
+        if rest:
+            out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
+    return out
+
+
 class FakePlan:
     """verify.Plan over a real BucketTable (balanced, memory plan) and a fake device."""
 
@@ -45,17 +62,10 @@ class FakePlan:
                                  verification=self.verification)
 
     def buckets(self):
-        return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in self.table().rows()}
+        return table_buckets(self.table())
 
     def shapes(self):
-        out = []
-        for r in self.table().rows():
-            full, rest = divmod(r["samples"], r["batch_size"])
-            if full:
-                out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
-            if rest:
-                out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
-        return out
+        return table_shapes(self.table())
 
     def seq_len(self, thw):
         return {tuple(t): int(s) for s, t in zip(TOKENS, THW.tolist())}[tuple(thw)]

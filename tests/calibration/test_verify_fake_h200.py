@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.calibration.verify import PlanVerifier
-from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
+from lightning_adaptiveload.scheduling.buckets import BucketTable
 from lightning_adaptiveload.scheduling.depth_choice import MemoryPlan
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+from tests.calibration.test_verify import table_buckets, table_shapes
 from tests.helpers.h200_ac import H200_AC
 
 GIB = 2**30
@@ -77,17 +78,10 @@ class FakeH200:
         return MemoryModel("linear", params, L)
 
     def buckets(self):
-        return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in self.table().rows()}
+        return table_buckets(self.table())
 
     def shapes(self):
-        out = []
-        for r in self.table().rows():
-            full, rest = divmod(r["samples"], r["batch_size"])
-            if full:
-                out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
-            if rest:
-                out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
-        return out
+        return table_shapes(self.table())
 
     def seq_len(self, thw):
         return {tuple(t): int(s) for s, t in zip(self.tokens, self.thw.tolist())}[tuple(thw)]

@@ -206,8 +206,9 @@ class PlanVerifier:
     def _relimit(self) -> None:
         """Every bucket's BucketLimit from the shapes measured in it and its pin, under the models as
         they are now: its frontier; its reserved gap (the largest measured in it, else in any bucket:
-        one allocator for all); its activation scale (the largest measured / predicted activation
-        ratio of its shapes that ran, plus ACTIVATION_MARGIN; 1 where it has none), an out-of-memory
+        one allocator for all); its activation scale (in a bucket with a failure, the largest measured /
+        predicted activation ratio of its shapes that ran, plus ACTIVATION_MARGIN; else 1: a bucket
+        whose shapes all fit is pinned, and reports the model's own prediction), an out-of-memory
         step's ratio taken as at least the largest a step that ran measured at the nearest depth (it
         proves only that it needed more than the device; the model's error follows the depth, being
         fitted at two and extrapolated to the others); its batch bound."""
@@ -226,10 +227,10 @@ class PlanVerifier:
             if self.max_seq_len is not None and s > self.max_seq_len:
                 continue
             group = by_bucket.get(s, [])
-            own = [r if m.status != "oom" else max(r, _nearest(known, self._depth(m.checkpointed)))
-                   for m, r in ratios.get(s, [])]
-            scale = max(MIN_SCALE, max(own) * (1 + ACTIVATION_MARGIN)) if own else 1.0
             failed = [m for m in group if not m.fits]
+            own = [r if m.status != "oom" else max(r, _nearest(known, self._depth(m.checkpointed)))
+                   for m, r in ratios.get(s, [])] if failed else []
+            scale = max(MIN_SCALE, max(own) * (1 + ACTIVATION_MARGIN)) if own else 1.0
             self.limits[s] = BucketLimit(
                 failed=tuple((m.batch_size, m.checkpointed) for m in failed),
                 fitted=tuple((m.batch_size, m.checkpointed) for m in group if m.fits),

@@ -6,7 +6,13 @@
 exit it restores gradients, buffers, train/eval modes and the python/numpy/torch/cuda RNG states.
 Every decision that changes what a rank does next (stop for the time budget, an out-of-memory
 point) goes through one all-reduce, so all ranks run the same steps and none waits alone inside a
-collective of a sharded forward.
+collective: an out-of-memory error is agreed on after each forward and each backward. (An error
+inside a sharded forward's own collective still leaves the other ranks waiting there; verification
+does not run a shape predicted to exceed the device, for that reason.)
+
+The steps hold what Lightning's training steps hold: under automatic optimization zero_grad runs
+after training_step and before backward, so the previous step's gradients are allocated during the
+forward (and, with accumulate_grad_batches > 1, through the backward too); a step here does the same.
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class AgreedOutOfMemory(Exception):
+    """Raised on every rank at once when any rank ran out of memory in a measured step."""
 
 
 def agree(strategy, flag: bool) -> bool:
@@ -118,26 +128,59 @@ class StepRunner:
         for param in self.pl_module.parameters():
             param.grad = None
 
+    def hold_gradients(self) -> None:
+        """Give every trainable parameter without a gradient a zero one: what a training step's forward
+        holds from the step before (the first step of a measurement has no step before)."""
+        for param in self.pl_module.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether training accumulates gradients over micro-batches (accumulate_grad_batches > 1)."""
+        return int(getattr(self.trainer, "accumulate_grad_batches", 1)) > 1
+
+    def _agreed_oom(self, oom: bool) -> None:
+        """Raise AgreedOutOfMemory on every rank if any rank ran out of memory (one all-reduce; none on
+        a single rank, whose own error is the agreement)."""
+        if (self.agree(oom) if self.trainer.world_size > 1 else oom):
+            raise AgreedOutOfMemory
+
     def step(self, batch) -> float:
-        """ms of one forward + backward of a batch already on the device, synchronized; gradients
-        dropped afterwards."""
+        """ms of one training step as Lightning's automatic optimization runs it, without the optimizer
+        step, synchronized: the forward (`training_step`) with the previous step's gradients still
+        held, then, without gradient accumulation, the gradients set to None (Lightning's zero_grad
+        runs after training_step, before backward), then backward (into the held gradients when
+        accumulating: a micro-batch after the first). The gradients stay held after it, for the next
+        step. Every rank agrees after the forward and after the backward whether any ran out of
+        memory (AgreedOutOfMemory on all of them), so no rank goes on into a collective alone."""
         strategy, cuda = self.strategy, self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
         begin = time.perf_counter()
-        output = strategy.training_step(batch, 0) if self._with_idx else strategy.training_step(batch)
-        loss = output["loss"] if isinstance(output, dict) else output
-        # pre/post_backward of the strategy (DDP's reducer bookkeeping) without the precision
-        # plugin's, which would run the user's on_before/after_backward callback hooks.
-        strategy.pre_backward(loss)
-        loss.backward()
-        strategy.post_backward(loss)
+        output = loss = None
+        oom = False
+        try:
+            output = strategy.training_step(batch, 0) if self._with_idx else strategy.training_step(batch)
+            loss = output["loss"] if isinstance(output, dict) else output
+        except torch.OutOfMemoryError:
+            oom = True
+        self._agreed_oom(oom)
+        if not self.accumulating:
+            self.zero_grad()
+        try:
+            # pre/post_backward of the strategy (DDP's reducer bookkeeping) without the precision
+            # plugin's, which would run the user's on_before/after_backward callback hooks.
+            strategy.pre_backward(loss)
+            loss.backward()
+            strategy.post_backward(loss)
+        except torch.OutOfMemoryError:
+            oom = True
+        del output, loss
+        self._agreed_oom(oom)
         if cuda:
             torch.cuda.synchronize(self.device)
-        elapsed = (time.perf_counter() - begin) * 1e3
-        del output, loss
-        self.zero_grad()
-        return elapsed
+        return (time.perf_counter() - begin) * 1e3
 
     def settle(self, batch, max_steps: int = 10, tolerance: float = 0.25) -> int:
         """Untimed steps until two consecutive step times agree within `tolerance` on every rank (at
@@ -159,14 +202,22 @@ class StepRunner:
         and peak memory over all of them (bytes: peak_bytes CUDA max_memory_allocated,
         reserved_bytes max_memory_reserved, what the allocator held from the device; on CPU both the
         bytes autograd saves for backward), on the batch `batch_fn()` builds; each the maximum over
-        ranks. empty_cache: return the allocator's cached blocks to the device first, so the reserved
-        peak is this batch's own and not what earlier, larger batches left cached.
+        ranks. Every step holds what a training step holds (`step`): the gradients are there from
+        the first forward on (`hold_gradients`), so a single step's peak has them too. empty_cache:
+        return the allocator's cached blocks to the device first, so the reserved peak is this
+        batch's own and not what earlier, larger batches left cached.
         {"status": "oom"} on every rank if any rank ran out of memory (freed before returning)."""
         device, cuda = self.device, self.device.type == "cuda"
         out_of_memory = False
         times, saved_bytes = [], []
         try:
-            batch = self.strategy.batch_to_device(batch_fn())
+            try:
+                batch = self.strategy.batch_to_device(batch_fn())
+                self.hold_gradients()
+                failed = False
+            except torch.OutOfMemoryError:
+                failed = True
+            self._agreed_oom(failed)
             if settle:
                 self.settle(batch)
             if cuda:
@@ -187,14 +238,13 @@ class StepRunner:
             else:
                 peak = reserved = max(saved_bytes)
             del batch
-        except torch.OutOfMemoryError:
+        except AgreedOutOfMemory:
             out_of_memory = True
         if out_of_memory:  # outside the except block, so the traceback no longer pins activations
             self.zero_grad()
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-        if self.agree(out_of_memory):
             return {"status": "oom"}
         time_ms, first_ms, peak_bytes, reserved_bytes = self.max_over_ranks(
             float(np.median(times[warmup:])), times[0], float(peak), float(reserved))

@@ -6,11 +6,15 @@ batch sizes it never held (on an H200 the shipped config planned k = 0 and B up 
 k = 30 and 15, and ran out of memory in training). Verification measures what the plan will run:
 
     round r:  the bucket table and its scheduled shapes (full batches, then partial ones)
-              -> run each shape not measured yet, cold then warm (`measure`), peak allocated and
-                 reserved against the budget
-              -> a bucket whose full batch fits is pinned at it; one over the budget or out of memory
-                 gets a tighter BucketLimit: more blocks checkpointed at no larger B, and at every
-                 block checkpointed a smaller B (`tighten`)
+              -> run each shape not measured yet, cold then warm (`measure`), its held memory
+                 (max of allocated and reserved peak) against the budget; a shape whose corrected
+                 prediction exceeds the device is not run (predicted_oom)
+              -> a bucket whose full batch fits is pinned at it; every bucket's BucketLimit is
+                 derived from its measurements (`_relimit`): the frontier of what they prove (a
+                 failure at (b, k) rules out B >= b at k' <= k, a fit proves B <= b at k' >= k), and
+                 the correction of the model's peak to held memory (its activation part scaled by
+                 what the bucket measured, the reserved gap added), so the re-plan moves k by the
+                 measured per-block bytes in one jump
               -> `plan.refit(Verification)` when a shape did not fit: the models fitted again on
                  everything measured; `plan.apply(Verification)`: the limits and measured step
                  times handed to the DataModule; the schedule changes
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
@@ -51,7 +55,8 @@ class Plan(Protocol):
 
     def predict(self, shape: ScheduledShape) -> tuple[float | None, float | None]:
         """(step ms, peak bytes) the models predict for a shape (None where there is no model); the
-        verifier scales the peak by the bucket's memory_scale."""
+        verifier corrects the peak to held memory with the bucket's BucketLimit.held (its static
+        part is the prediction extrapolated to B = 0: the memory model is affine in B)."""
 
     def refit(self, verification: Verification) -> None:
         """Fit the models again on everything measured (a shape did not fit)."""
@@ -79,39 +84,29 @@ class VerifyOutcome:
     seconds: float
 
 
-def tighten(limit: BucketLimit | None, failed: MeasuredShape, num_blocks: int | None, budget_bytes: float,
-            device_bytes: float) -> BucketLimit | None:
-    """The bucket's next limit after `failed` (its shape over the budget or out of memory): at k < L
-    more blocks checkpointed at no larger B, else a smaller B (in proportion to budget / measured, at
-    least one less); None when B = 1 with every block checkpointed did not fit. Its memory scale
-    becomes the measured / predicted peak (an out-of-memory step needed more than the device)."""
-    old = limit or BucketLimit()
-    used = failed.needed_bytes(device_bytes)
-    scale = old.memory_scale
-    if failed.predicted_peak_bytes:  # the prediction was already scaled by the old limit's scale
-        scale = max(scale, scale * used / failed.predicted_peak_bytes)
-    b, k = failed.batch_size, failed.checkpointed
-    if k is not None and num_blocks is not None and k < num_blocks:
-        return BucketLimit(max_batch_size=b, min_checkpointed=k + 1, memory_scale=scale)
-    if b > 1:
-        smaller = min(b - 1, int(b * budget_bytes / used))
-        return BucketLimit(max_batch_size=max(1, smaller), min_checkpointed=old.min_checkpointed, memory_scale=scale)
-    return None
+# Headroom on a bucket's measured activation scale: a step's held memory varies by a fraction of a
+# percent between runs (allocator state, kernel workspaces), and the re-planned shape is one the
+# bucket has not run; 2% of the activations keeps the one jump from landing just over the budget.
+ACTIVATION_MARGIN = 0.02
+# The smallest activation scale a bucket's measurements may set: a model that predicts more than twice
+# the activations its bucket measured is not trusted to extrapolate from them.
+MIN_SCALE = 0.5
 
 
 class PlanVerifier:
     """Runs the verification rounds (module docstring).
 
     measure(shape, warm=True) -> {"status": "ok", "cold_ms", "warm_ms", "peak_bytes", "reserved_bytes"}
-    or {"status": "oom"} (warm=False: one step only, no "warm_ms"); budget_bytes: the memory a step may hold (its reserved peak included);
-    device_bytes: the device's memory (what an out-of-memory step needed at least); num_blocks: the
-    switchable blocks L (None without per-bucket checkpointing); max_rounds: rounds that may re-plan;
-    progress: a line per shape.
+    or {"status": "oom"} (warm=False: one step only, no "warm_ms"); budget_bytes: the memory a step may
+    hold (its reserved peak included); device_bytes: the device's memory (what an out-of-memory step
+    needed at least; a shape predicted above it is not run); num_blocks: the switchable blocks L (None
+    without per-bucket checkpointing); max_rounds: rounds that may re-plan; progress: a line per shape.
 
     A bucket's target is its largest scheduled batch at its depth (the table's B, or all of a bucket
-    smaller than one batch; a bucket the epoch never schedules has none); targets are measured first, the other (partial) batches once every target
-    fits. Rounds that only measure partial batches (they fit: fewer samples than a fitting target)
-    are bounded by MAX_PARTIAL_ROUNDS; what is left then stays cold.
+    smaller than one batch; a bucket the epoch never schedules has none); targets are measured first,
+    the other (partial) batches once every target fits. Rounds that only measure partial batches (they
+    fit: fewer samples than a fitting target) are bounded by MAX_PARTIAL_ROUNDS; what is left then
+    stays cold.
     """
 
     MAX_PARTIAL_ROUNDS = 2
@@ -125,15 +120,16 @@ class PlanVerifier:
         self.progress = progress or (lambda line: None)
         self.clock = clock
         self.shapes: dict[tuple, MeasuredShape] = {}
-        self.limits: dict[int, BucketLimit] = {}
+        self.pinned: dict[int, tuple[int, int | None]] = {}  # seq_len -> its verified (B, k)
+        self.limits: dict[int, BucketLimit] = {}  # derived from shapes and pinned by _relimit
         self.max_seq_len: int | None = None
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self, prior: Verification | None = None, frozen: bool = False) -> VerifyOutcome:
         """The rounds. prior: a verification recorded earlier (a cache of this model, device and
-        budget, or the checkpoint being resumed): its shapes count as measured and its limits hold;
-        each of its fitting shapes the schedule holds runs once (`measure(shape, warm=False)`: its
-        kernels are built now, and it is checked to fit still), and one that no longer fits is
+        budget, or the checkpoint being resumed): its shapes count as measured and its pinned choices
+        hold; each of its fitting shapes the schedule holds runs once (`measure(shape, warm=False)`:
+        its kernels are built now, and it is checked to fit still), and one that no longer fits is
         measured and planned again. frozen (a resume, whose epoch plan rests on the recorded times):
         nothing is measured anew, and a recorded shape that no longer fits is an error."""
         start = self.clock()
@@ -158,9 +154,9 @@ class PlanVerifier:
             partial_rounds += not targets
             failed = self._measure_all(targets or partial, rounds)
             replans += failed
-            if failed:  # the refit predicts the failed shapes anew: their buckets' scales follow it
+            if failed:  # the refit predicts every bucket anew: the corrections follow it
                 self.plan.refit(self._verification())
-                self._rescale()
+            self._relimit()
             self.plan.apply(self._verification())
         unresolved = self._unresolved()
         settled: tuple[int, ...] = ()
@@ -175,7 +171,9 @@ class PlanVerifier:
         """Seed the loop with `prior`, run each of its fitting shapes the schedule holds once; drop and
         return those that no longer fit (their bucket is then planned again)."""
         self.shapes = {m.key: m for m in prior.shapes}
-        self.limits, self.max_seq_len = dict(prior.limits), prior.max_seq_len
+        self.pinned = {s: limit.pinned for s, limit in prior.limits.items() if limit.pinned is not None}
+        self.max_seq_len = prior.max_seq_len
+        self._relimit()
         self.plan.apply(self._verification())
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
                     if (m := self._measured(seq_len, shape)) is not None and m.fits]
@@ -186,10 +184,10 @@ class PlanVerifier:
             note = f"{raw['cold_ms']:.1f} ms cold, fits as recorded" if fits else "NO LONGER FITS"
             if not fits:  # recorded anew as what it is now (its one step's time stands for both), and re-planned
                 stale.append(shape)
-                self._run(seq_len, shape, rnd, {**raw, "warm_ms": raw.get("cold_ms")})
-                note += self._tighten(seq_len, self._measured(seq_len, shape))
+                note += self._record_failure(seq_len, self._run(seq_len, shape, rnd, {**raw, "warm_ms": raw.get("cold_ms")}))
             self.progress(f"verify round {rnd} (recorded), {i + 1}/{len(recorded)}: {_describe(shape)}: {note}")
         if stale:
+            self._relimit()
             self.plan.apply(self._verification())
         return stale
 
@@ -204,20 +202,89 @@ class PlanVerifier:
         return [(seq_len, target) for seq_len, target in sorted(self._targets().items())
                 if not ((m := self._measured(seq_len, target)) is not None and m.fits)]
 
-    def _rescale(self) -> None:
-        """Each re-planned bucket's memory_scale: measured over predicted peak of its failed shapes under
-        the models as they are now (an out-of-memory shape needed at least the device), at least 1."""
-        for seq_len, limit in list(self.limits.items()):
-            if limit.pinned:
+    # ---- what the measurements say ------------------------------------------------------------
+    def _relimit(self) -> None:
+        """Every bucket's BucketLimit from the shapes measured in it and its pin, under the models as
+        they are now: its frontier; its reserved gap (the largest measured in it, else in any bucket:
+        one allocator for all); its activation scale (in a bucket with a failure, the largest measured /
+        predicted activation ratio of its shapes that ran, plus ACTIVATION_MARGIN; else 1: a bucket
+        whose shapes all fit is pinned, and reports the model's own prediction), an out-of-memory
+        step's ratio taken as at least the largest a step that ran measured at the nearest depth (it
+        proves only that it needed more than the device; the model's error follows the depth, being
+        fitted at two and extrapolated to the others); its batch bound."""
+        by_bucket: dict[int, list[MeasuredShape]] = {}
+        for m in self.shapes.values():
+            by_bucket.setdefault(m.seq_len, []).append(m)
+        gaps = {s: max([m.gap_bytes for m in group if m.gap_bytes is not None], default=None)
+                for s, group in by_bucket.items()}
+        any_gap = max([g for g in gaps.values() if g is not None], default=0.0)
+        gap_of = {s: any_gap if gaps.get(s) is None else gaps[s] for s in set(self.plan.buckets()) | set(by_bucket)}
+        ratios = {s: [(m, r) for m in group if (r := self._ratio(m, gap_of[s])) is not None]
+                  for s, group in by_bucket.items()}
+        known = [(self._depth(m.checkpointed), r) for pairs in ratios.values() for m, r in pairs if m.status != "oom"]
+        self.limits = {}
+        for s in sorted(gap_of):
+            if self.max_seq_len is not None and s > self.max_seq_len:
                 continue
-            ratios = []
-            for m in self.shapes.values():
-                if m.seq_len != seq_len or m.fits:
-                    continue
-                predicted = self.plan.predict(ScheduledShape(m.batch_size, m.latent_shape, 0, m.checkpointed))[1]
-                if predicted:
-                    ratios.append(m.needed_bytes(self.device_bytes) / predicted)
-            self.limits[seq_len] = replace(limit, memory_scale=max([1.0, *ratios]))
+            group = by_bucket.get(s, [])
+            failed = [m for m in group if not m.fits]
+            own = [r if m.status != "oom" else max(r, _nearest(known, self._depth(m.checkpointed)))
+                   for m, r in ratios.get(s, [])] if failed else []
+            scale = max(MIN_SCALE, max(own) * (1 + ACTIVATION_MARGIN)) if own else 1.0
+            self.limits[s] = BucketLimit(
+                failed=tuple((m.batch_size, m.checkpointed) for m in failed),
+                fitted=tuple((m.batch_size, m.checkpointed) for m in group if m.fits),
+                memory_scale=scale, gap_bytes=gap_of[s],
+                batch_bound=min([self._batch_bound(m, scale, gap_of[s]) for m in failed
+                                 if self._every_depth(m.checkpointed)], default=None),
+                pinned=self.pinned.get(s))
+
+    def _prediction(self, b: int, latent_shape, k: int | None) -> tuple[float, float] | None:
+        """(static, peak): the model's peak at (B, latent, k) and its static part, the peak at B = 0 (the
+        model is affine in B: 2 peak(1) - peak(2)); None without a memory model."""
+        peak = self.plan.predict(ScheduledShape(b, latent_shape, 0, k))[1]
+        if peak is None:
+            return None
+        one, two = (self.plan.predict(ScheduledShape(n, latent_shape, 0, k))[1] for n in (1, 2))
+        return 2 * one - two, peak
+
+    def _ratio(self, m: MeasuredShape, gap: float) -> float | None:
+        """Measured over predicted activation bytes of a shape that ran, (held - gap - static) /
+        (predicted - static), an out-of-memory one holding the device; None without a prediction."""
+        predicted = self._prediction(m.batch_size, m.latent_shape, m.checkpointed) if m.ran else None
+        if predicted is None or predicted[1] <= predicted[0]:
+            return None
+        static, peak = predicted
+        return (m.needed_bytes(self.device_bytes) - gap - static) / (peak - static)
+
+    def _depth(self, k: int | None) -> int:
+        """k of a shape, None counting as every block checkpointed (0 without switchable blocks)."""
+        return (self.num_blocks or 0) if k is None else int(k)
+
+    def _every_depth(self, k: int | None) -> bool:
+        """Whether a failure at depth k rules out every depth (every block checkpointed, or no depth)."""
+        return k is None or k == self.num_blocks
+
+    def _batch_bound(self, failed: MeasuredShape, scale: float, gap: float) -> int:
+        """The largest B below a failure at every depth that its bucket's corrected prediction fits in
+        the budget, or without a memory model B in proportion to budget / held; at least 1."""
+        b = failed.batch_size
+        predicted = self._prediction(b, failed.latent_shape, failed.checkpointed)
+        if predicted is None or predicted[1] <= predicted[0]:
+            estimate = int(b * self.budget_bytes / failed.needed_bytes(self.device_bytes))
+        else:
+            static, peak = predicted
+            per_sample = scale * (peak - static) / b
+            estimate = int((self.budget_bytes - gap - static) // per_sample)
+        return max(1, min(b - 1, estimate))
+
+    def _predicted_held(self, seq_len: int, shape: ScheduledShape) -> float | None:
+        """The held bytes the plan expects of `shape` now: the model's peak corrected by its bucket's
+        limit (None without a memory model)."""
+        predicted = self._prediction(shape.batch_size, shape.latent_shape, shape.checkpointed)
+        if predicted is None:
+            return None
+        return float((self.limits.get(seq_len) or BucketLimit()).held(predicted[1], predicted[0]))
 
     def _verification(self) -> Verification:
         return Verification(tuple(self.shapes.values()), dict(self.limits), self.max_seq_len, self.budget_bytes)
@@ -249,40 +316,42 @@ class PlanVerifier:
         return targets
 
     def _measure_all(self, todo: list[tuple[int, ScheduledShape]], rnd: int) -> bool:
-        """Measure every shape of `todo`; True if any did not fit (its bucket's limit tightened)."""
+        """Measure every shape of `todo`; True if any did not fit (its bucket is planned again)."""
         failed = False
         targets = self._targets()
         for i, (seq_len, shape) in enumerate(todo):
             measured = self._run(seq_len, shape, rnd)
             if measured.fits:
                 note = ""
-                limit = self.limits.get(seq_len) or BucketLimit()
-                if shape == targets.get(seq_len) and not limit.pinned:
-                    self.limits[seq_len] = BucketLimit(shape.batch_size, shape.checkpointed or 0, limit.memory_scale,
-                                                       pinned=True)
+                if shape == targets.get(seq_len) and seq_len not in self.pinned:
+                    self.pinned[seq_len] = (shape.batch_size, shape.checkpointed)
                     note = " (pinned)"
             else:
                 failed = True
-                note = self._tighten(seq_len, measured)
+                note = self._record_failure(seq_len, measured)
             self.progress(f"verify round {rnd}, {i + 1}/{len(todo)}: {_describe(shape)}: {_result(measured)}{note}")
         return failed
 
     def _run(self, seq_len: int, shape: ScheduledShape, rnd: int, raw: dict | None = None) -> MeasuredShape:
-        """Measure `shape` (or record `raw`, a measurement made already) and keep it."""
-        predicted_ms, predicted_peak = self.plan.predict(shape)
-        if predicted_peak is not None and seq_len in self.limits:  # what the plan expects of this bucket now
-            predicted_peak *= self.limits[seq_len].memory_scale
-        raw = self.measure(shape) if raw is None else raw
+        """Measure `shape` (or record `raw`, a measurement made already) and keep it. A shape whose
+        corrected prediction exceeds the device is recorded predicted_oom without running: the
+        prediction is the same on every rank, so no rank runs out of memory alone inside a collective."""
+        predicted_ms, _ = self.plan.predict(shape)
+        predicted_held = self._predicted_held(seq_len, shape)
         common = dict(batch_size=int(shape.batch_size), seq_len=int(seq_len),
                       latent_shape=None if shape.latent_shape is None else tuple(shape.latent_shape),
                       checkpointed=shape.checkpointed, predicted_ms=predicted_ms,
-                      predicted_peak_bytes=predicted_peak, round=rnd)
-        status = self._status(raw)
-        if status == "oom":
-            measured = MeasuredShape(status="oom", **common)
+                      predicted_peak_bytes=predicted_held, round=rnd)
+        if raw is None and predicted_held is not None and predicted_held > self.device_bytes:
+            measured = MeasuredShape(status="predicted_oom", **common)
         else:
-            measured = MeasuredShape(status=status, warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"],
-                                     peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"), **common)
+            raw = self.measure(shape) if raw is None else raw
+            status = self._status(raw)
+            if status == "oom":
+                measured = MeasuredShape(status="oom", **common)
+            else:
+                measured = MeasuredShape(status=status, warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"],
+                                         peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"), **common)
         self.shapes[measured.key] = measured
         return measured
 
@@ -292,13 +361,15 @@ class PlanVerifier:
             return "oom"
         return "fits" if held_bytes(raw["peak_bytes"], raw.get("reserved_bytes")) <= self.budget_bytes else "over_budget"
 
-    def _tighten(self, seq_len: int, failed: MeasuredShape) -> str:
-        limit = tighten(self.limits.get(seq_len), failed, self.num_blocks, self.budget_bytes, self.device_bytes)
-        if limit is not None:
-            self.limits[seq_len] = limit
-            return f" -> B <= {limit.max_batch_size}, k >= {limit.min_checkpointed}"
-        self._leave_out_from(seq_len)
-        return f" -> buckets of {seq_len} tokens and more are left out: not even B = 1 fits"
+    def _record_failure(self, seq_len: int, failed: MeasuredShape) -> str:
+        """Unpin the bucket of a shape that did not fit; leave it out with every longer one when that
+        was B = 1 at every depth. Returns the progress note."""
+        self.pinned.pop(seq_len, None)
+        if failed.batch_size == 1 and self._every_depth(failed.checkpointed):
+            self._leave_out_from(seq_len)
+            return f" -> buckets of {seq_len} tokens and more are left out: not even B = 1 fits"
+        depths = "every k" if self._every_depth(failed.checkpointed) else f"k <= {failed.checkpointed}"
+        return f" -> rules out B >= {failed.batch_size} at {depths}"
 
     def _leave_out_from(self, seq_len: int) -> None:
         shorter = [s for s in self.plan.buckets() if s < seq_len]
@@ -307,8 +378,9 @@ class PlanVerifier:
                                f"tokens) ran out of memory or over the budget of {self.budget_bytes / 2**30:.2f} GiB at "
                                f"B = 1 with every block checkpointed")
         self.max_seq_len = max(shorter) if self.max_seq_len is None else min(self.max_seq_len, max(shorter))
-        for s in [s for s in self.limits if s >= seq_len]:
-            del self.limits[s]
+        for s in [s for s in self.pinned if s >= seq_len]:
+            del self.pinned[s]
+        self._relimit()
 
     # ---- after the last re-plan --------------------------------------------------------------
     def _settle(self, targets: list[tuple[int, ScheduledShape]], rnd: int) -> tuple[int, ...]:
@@ -322,35 +394,46 @@ class PlanVerifier:
             fitting = [m for m in self.shapes.values() if m.seq_len == seq_len and m.fits]
             if fitting:
                 best = max(fitting, key=lambda m: (m.batch_size, -(m.checkpointed or 0)))
-                self.limits[seq_len] = BucketLimit(best.batch_size, best.checkpointed or 0,
-                                                   (self.limits.get(seq_len) or BucketLimit()).memory_scale, pinned=True)
+                self.pinned[seq_len] = (best.batch_size, best.checkpointed)
                 self.progress(f"verify: bucket {seq_len} settled on its largest batch measured to fit, "
                               f"{_describe_key(best.batch_size, best.latent_shape, best.checkpointed)}")
                 continue
             for candidate in self._safe_candidates(seq_len, target):
                 measured = self._measured(seq_len, candidate) or self._run(seq_len, candidate, rnd)
                 if measured.fits:
-                    self.limits[seq_len] = BucketLimit(candidate.batch_size, candidate.checkpointed or 0, pinned=True)
+                    self.pinned[seq_len] = (candidate.batch_size, candidate.checkpointed)
                     self.progress(f"verify: bucket {seq_len} settled on {_describe(candidate)}: {_result(measured)}")
                     break
                 self.progress(f"verify: bucket {seq_len} {_describe(candidate)}: {_result(measured)}"
-                              + (self._tighten(seq_len, measured) if candidate.batch_size == 1 else ""))
+                              + (self._record_failure(seq_len, measured) if candidate.batch_size == 1 else ""))
+        self._relimit()
         self.plan.apply(self._verification())
         return tuple(settled)
 
     def _safe_candidates(self, seq_len: int, target: ScheduledShape) -> list[ScheduledShape]:
-        """Every block checkpointed, at the largest B the scaled prediction fits in the budget, then at
-        B = 1 (the least memory a sample of the bucket can need)."""
+        """Every block checkpointed, at the largest B below the target's whose corrected prediction fits
+        the budget and that no failure rules out, then at B = 1 (the least memory a sample of the
+        bucket can need)."""
         k = None if target.checkpointed is None else self.num_blocks
-        scale = (self.limits.get(seq_len) or BucketLimit()).memory_scale
+        limit = self.limits.get(seq_len) or BucketLimit()
         fitting = 1
         for b in range(int(target.batch_size), 1, -1):
-            peak = self.plan.predict(ScheduledShape(b, target.latent_shape, 0, k))[1]
-            if peak is not None and scale * peak <= self.budget_bytes:
+            shape = ScheduledShape(b, target.latent_shape, 0, k)
+            held = self._predicted_held(seq_len, shape)
+            ruled_out = self.num_blocks is not None and limit.depth_floor(b, self.num_blocks) > self.num_blocks
+            if held is not None and held <= self.budget_bytes and not ruled_out:
                 fitting = b
                 break
         sizes = [fitting, 1] if fitting > 1 else [1]
         return [ScheduledShape(b, target.latent_shape, 0, k) for b in sizes]
+
+
+def _nearest(known: list[tuple[int, float]], k: int) -> float:
+    """The largest ratio of `known` (depth, ratio) pairs at the depth nearest k; 0 when there are none."""
+    if not known:
+        return 0.0
+    distance = min(abs(d - k) for d, _ in known)
+    return max(r for d, r in known if abs(d - k) == distance)
 
 
 def _describe_key(b: int, thw: Iterable[int] | None, k: int | None) -> str:
@@ -364,5 +447,7 @@ def _describe(shape: ScheduledShape) -> str:
 def _result(m: MeasuredShape) -> str:
     if m.status == "oom":
         return "out of memory"
+    if m.status == "predicted_oom":
+        return f"not run: predicted to hold {m.predicted_peak_bytes / 2**30:.2f} GiB, more than the device"
     return (f"{m.warm_ms:.1f} ms warm ({m.cold_ms:.1f} cold), peak {m.peak_bytes / 2**30:.2f} GiB allocated / "
             f"{(m.reserved_bytes or m.peak_bytes) / 2**30:.2f} reserved" + ("" if m.fits else ", over the budget"))

@@ -89,49 +89,67 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
     model does not see: other processes and the model's own error (a few %; docs/memory.md); what the
     allocator reserves beyond its allocations is measured by verification, not budgeted here.
     limits: seq_len -> BucketLimit from verification (scheduling/verification.py): a pinned bucket
-    keeps its verified (B, k); any other is chosen with B <= its max_batch_size, k >= its
-    min_checkpointed and its peaks predicted `memory_scale` times higher. peak_bytes reports the
-    scaled prediction."""
+    keeps its verified (B, k); any other is chosen among the (B, k) its frontier does not rule out,
+    each predicted by `BucketLimit.held` (the held memory: activations scaled, reserved gap added),
+    and a (B, k) a measured fit proves is taken as fitting whatever the prediction; B <= its
+    max_batch_size. A limited bucket that no prediction fits runs B = 1 with every block checkpointed
+    unless a failure ruled that out (verification then measures it: the prediction is a model).
+    peak_bytes reports the corrected prediction."""
     seq_lens = np.asarray(seq_lens)
     if seq_lens.ndim != 1 or seq_lens.size == 0:
         raise ValueError(f"seq_lens must be a non-empty 1-D array, got shape {seq_lens.shape}")
     seq_lens = np.array([require_int("seq_lens[i]", s) for s in seq_lens], dtype=np.int64)
     budget = _budget(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
+    limited = [int(s) in (limits or {}) for s in seq_lens]
     bucket_limits = [(limits or {}).get(int(s)) or UNLIMITED for s in seq_lens]
-    scale = np.array([limit.memory_scale for limit in bucket_limits])
-    cap = memory_model.max_batch_size(seq_lens, budget / scale)  # largest B that fits at k = L (0: none)
+    n, num_blocks = len(seq_lens), memory_model.num_blocks
+    static = np.asarray(memory_model.predict(np.zeros(n), seq_lens), dtype=np.float64)  # m0: no batch's memory
+    model_budget = np.array([limit.model_budget(budget, m0) for limit, m0 in zip(bucket_limits, static)])
+    proven_b = np.array([max([b for b, _ in limit.fitted], default=0) for limit in bucket_limits])
+    # largest B that fits at k = L, or that a measurement proved to fit (0: none)
+    cap = np.maximum(memory_model.max_batch_size(seq_lens, model_budget), proven_b)
     if max_tokens is not None:
         cap = np.minimum(cap, np.maximum(1, require_int("max_tokens", max_tokens) // seq_lens))
     if max_batch_size is not None:
         cap = np.minimum(cap, require_int("max_batch_size", max_batch_size))
     cap = np.minimum(cap, [NO_BOUND if limit.max_batch_size is None else limit.max_batch_size
                            for limit in bucket_limits])
-    pinned = np.array([limit.pinned for limit in bucket_limits])
+    pinned = np.array([limit.pinned is not None for limit in bucket_limits])
     if cap[~pinned].sum(dtype=np.float64) > MAX_CANDIDATES:
         raise ValueError(f"{cap.sum(dtype=np.float64):.3g} (bucket, batch size) candidates (the memory model sets "
                          f"no useful bound on B): give max_batch_size or max_tokens")
 
-    n, num_blocks = len(seq_lens), memory_model.num_blocks
     batch = np.zeros(n, dtype=np.int64)
     checkpointed = np.full(n, num_blocks, dtype=np.int64)
     time_ms = np.full(n, np.nan)
-    fits = (cap >= 1) | pinned
-    for i in np.flatnonzero(fits):
+    fits = pinned.copy()
+    for i in range(n):
         limit = bucket_limits[i]
-        if limit.pinned:  # measured to fit: kept as it is, whatever the models say now
-            batch[i], checkpointed[i] = limit.max_batch_size, min(limit.min_checkpointed, num_blocks)
+        if limit.pinned is not None:  # measured to fit: kept as it is, whatever the models say now
+            b_pin, k_pin = limit.pinned
+            batch[i], checkpointed[i] = b_pin, num_blocks if k_pin is None else min(k_pin, num_blocks)
             time_ms[i] = float(cost_model.predict(batch[i], seq_lens[i], checkpointed[i]))
             continue
-        b = np.arange(1, cap[i] + 1)
-        # every candidate fits at some k: cap[i] <= the largest B that fits at k = L
-        k, _ = memory_model.min_checkpointed(b, seq_lens[i], budget / scale[i])
-        k = np.maximum(k, min(limit.min_checkpointed, num_blocks))
+        b = np.arange(1, max(cap[i], 0) + 1)
+        k, predicted = memory_model.min_checkpointed(b, seq_lens[i], model_budget[i])
+        k = np.where(predicted, k, num_blocks + 1)
+        k = np.minimum(k, limit.proven_depth(b, num_blocks))
+        k = np.maximum(k, limit.depth_floor(b, num_blocks))
+        ok = k <= num_blocks
+        if not ok.any():
+            if limited[i] and limit.depth_floor(1, num_blocks) <= num_blocks:
+                fits[i] = True
+                batch[i], time_ms[i] = 1, float(cost_model.predict(1, seq_lens[i], num_blocks))
+            continue
+        b, k = b[ok], k[ok]
         t = np.asarray(cost_model.predict(b, seq_lens[i], k), dtype=np.float64)
         rate = b / t  # B*S/t up to the common factor S
         best = np.flatnonzero(rate == rate.max())[-1]
+        fits[i] = True
         batch[i], checkpointed[i], time_ms[i] = b[best], k[best], t[best]
-    peak = scale * memory_model.predict(np.maximum(batch, 1), seq_lens, checkpointed)
-    return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=checkpointed, peak_bytes=np.asarray(peak),
+    raw = memory_model.predict(np.maximum(batch, 1), seq_lens, checkpointed)
+    peak = np.array([limit.held(p, m0) for limit, p, m0 in zip(bucket_limits, np.atleast_1d(raw), static)])
+    return DepthChoice(seq_lens=seq_lens, batch_size=batch, checkpointed=checkpointed, peak_bytes=peak,
                        time_ms=time_ms, fits=fits, num_blocks=num_blocks, budget_bytes=budget)
 
 

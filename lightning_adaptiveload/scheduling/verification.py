@@ -2,10 +2,12 @@
 buckets that did not fit, and step costs priced from the measurements.
 
 Before the first training step, calibration (`lightning_adaptiveload.calibration.verify`) runs every
-(B, latent shape, k) the schedule holds as a training step under training's memory conditions. A
-shape over the memory budget, or out of memory, gets a `BucketLimit` and its bucket is planned
-again within it; a shape that fits is pinned, so no later refit of the models moves it to an
-unmeasured choice. `BucketTable.build(verification=...)` honours the limits, and prices batches with
+(B, latent shape, k) the schedule holds as a training step under training's memory conditions. Each
+bucket's measurements become a `BucketLimit`: the frontier of what they prove (a failure rules out
+larger B at no more blocks checkpointed, a fit proves smaller B at no fewer), and the correction of
+the memory model's prediction to what a step of that bucket holds (its activations scaled, the
+allocator's reserved gap added). A bucket whose shape did not fit is planned again within it; a
+shape that fits is pinned, so no later refit of the models moves it to an unmeasured choice. `BucketTable.build(verification=...)` honours the limits, and prices batches with
 the measured warm step times (`MeasuredCosts`), so the balanced plan weighs what the steps cost,
 not what a model extrapolated to depths and batch sizes it never saw. Pure data and numpy.
 """
@@ -21,8 +23,10 @@ import numpy as np
 from lightning_adaptiveload._validation import is_finite_number, require_choice, require_int
 
 # fits: the step ran with its peak (allocated and reserved) within the budget; over_budget: it ran but
-# its peak exceeded the budget; oom: it ran out of device memory on some rank.
-STATUSES = ("fits", "over_budget", "oom")
+# its peak exceeded the budget; oom: it ran out of device memory on some rank; predicted_oom: not run,
+# its corrected prediction exceeded the device (every rank decides so alike, so no rank runs out alone).
+STATUSES = ("fits", "over_budget", "oom", "predicted_oom")
+FAILED = ("over_budget", "oom", "predicted_oom")
 
 
 def _optional_number(name: str, value) -> float | None:
@@ -79,7 +83,7 @@ class MeasuredShape:
             object.__setattr__(self, "latent_shape", tuple(require_int("latent_shape", v) for v in self.latent_shape))
         for name in ("warm_ms", "cold_ms", "peak_bytes", "reserved_bytes", "predicted_ms", "predicted_peak_bytes"):
             object.__setattr__(self, name, _optional_number(name, getattr(self, name)))
-        if self.status != "oom" and (self.warm_ms is None or self.peak_bytes is None):
+        if self.status not in ("oom", "predicted_oom") and (self.warm_ms is None or self.peak_bytes is None):
             raise ValueError(f"a {self.status!r} shape needs warm_ms and peak_bytes")
 
     @property
@@ -90,6 +94,19 @@ class MeasuredShape:
     def key(self) -> tuple[int, int, int | None]:
         """(B, seq_len, k): what identifies a shape; a later measurement of a key replaces an earlier one."""
         return self.batch_size, self.seq_len, self.checkpointed
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step ran (a predicted_oom shape was only predicted)."""
+        return self.status != "predicted_oom"
+
+    @property
+    def gap_bytes(self) -> float | None:
+        """reserved - allocated peak (>= 0): what the allocator held beyond its allocations; None where
+        unknown (no reserved peak, or no step that ran)."""
+        if self.peak_bytes is None or self.reserved_bytes is None:
+            return None
+        return max(0.0, self.reserved_bytes - self.peak_bytes)
 
     @property
     def used_bytes(self) -> float | None:
@@ -121,26 +138,123 @@ class MeasuredShape:
             raise ValueError(f"{where}: {e}") from e
 
 
+def _points(name: str, value) -> tuple[tuple[int, int | None], ...]:
+    """(B, k) pairs of a frontier (JSON lists or tuples): B >= 1, k >= 0 or None."""
+    try:
+        pairs = tuple((require_int(f"{name}: B", b), None if k is None else require_int(f"{name}: k", k, minimum=0))
+                      for b, k in value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a list of (B, k) pairs (B >= 1, k >= 0 or null): {e}") from e
+    return pairs
+
+
+def _depth(k: int | None, num_blocks: int) -> int:
+    """k of a frontier point; None (a step run without a depth plan) counts as every block checkpointed."""
+    return num_blocks if k is None else int(k)
+
+
 @dataclass(frozen=True)
 class BucketLimit:
-    """What verification allows one bucket: B <= max_batch_size (None: no bound) and k >=
-    min_checkpointed, its peaks taken as `memory_scale` times the memory model's prediction (the
-    ratio its failed shape measured, >= 1). pinned: (max_batch_size, min_checkpointed) is the
-    bucket's choice, measured to fit; a pinned bucket is not planned again."""
+    """What verification knows of one bucket's (B, k) choices, and how it corrects their predicted memory.
 
-    max_batch_size: int | None = None
-    min_checkpointed: int = 0
+    The memory a step holds grows with B and shrinks with k (blocks checkpointed), so each measurement
+    proves a quadrant, and a limit is the frontier of those proofs, not a box:
+
+    failed: (b, k) measured over the budget or out of memory, or predicted to need more than the
+        device and not run: every B >= b at every depth k' <= k is ruled out (k None: at every depth).
+    fitted: (b, k) measured to fit: every B <= b at every k' >= k fits.
+    memory_scale, gap_bytes: a plan's held memory is predicted as `held`: static + memory_scale *
+        (predicted - static) + gap_bytes. Only the activation part (what B, S and k change) is
+        scaled, by the ratio its measurements showed; static (parameters, gradients, optimizer state)
+        is what a model fitted with them already has right. gap_bytes: what the allocator reserves
+        beyond its allocations (fragmentation), measured in this bucket (else in others).
+    batch_bound: B <= batch_bound for any plan of the bucket (None: no bound), set by a failure at every
+        depth (every block checkpointed, or no depth plan): what bounds B where the plan is not chosen
+        by the memory model (token-budget policies, no memory plan).
+    pinned: (B, k) measured to fit as the bucket's choice; a pinned bucket is not planned again.
+    """
+
+    failed: tuple[tuple[int, int | None], ...] = ()
+    fitted: tuple[tuple[int, int | None], ...] = ()
     memory_scale: float = 1.0
-    pinned: bool = False
+    gap_bytes: float = 0.0
+    batch_bound: int | None = None
+    pinned: tuple[int, int | None] | None = None
 
     def __post_init__(self):
-        if self.max_batch_size is not None:
-            require_int("max_batch_size", self.max_batch_size)
-        require_int("min_checkpointed", self.min_checkpointed, minimum=0)
-        if not is_finite_number(self.memory_scale) or self.memory_scale < 1:
-            raise ValueError(f"memory_scale must be a finite number >= 1, got {self.memory_scale!r}")
-        if self.pinned and self.max_batch_size is None:
-            raise ValueError("a pinned bucket needs its max_batch_size (the verified B)")
+        object.__setattr__(self, "failed", _points("failed", self.failed))
+        object.__setattr__(self, "fitted", _points("fitted", self.fitted))
+        if not is_finite_number(self.memory_scale) or self.memory_scale <= 0:
+            raise ValueError(f"memory_scale must be a finite number > 0, got {self.memory_scale!r}")
+        if not is_finite_number(self.gap_bytes) or self.gap_bytes < 0:
+            raise ValueError(f"gap_bytes must be a finite number >= 0, got {self.gap_bytes!r}")
+        object.__setattr__(self, "memory_scale", float(self.memory_scale))
+        object.__setattr__(self, "gap_bytes", float(self.gap_bytes))
+        if self.batch_bound is not None:
+            object.__setattr__(self, "batch_bound", require_int("batch_bound", self.batch_bound))
+        if self.pinned is not None:
+            pinned = _points("pinned", [self.pinned])
+            object.__setattr__(self, "pinned", pinned[0])
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """The largest B of the bucket's batches: the pinned B, else batch_bound (None: no bound)."""
+        return self.pinned[0] if self.pinned is not None else self.batch_bound
+
+    def held(self, predicted_bytes, static_bytes):
+        """Predicted held bytes (see the class docstring) of a model's predicted peak and its static part
+        (the prediction at B = 0); arrays broadcast."""
+        return static_bytes + self.memory_scale * (np.asarray(predicted_bytes, dtype=np.float64) - static_bytes) \
+            + self.gap_bytes
+
+    def model_budget(self, budget_bytes: float, static_bytes):
+        """The budget on the model's own prediction that `held` <= budget_bytes means."""
+        return static_bytes + (budget_bytes - self.gap_bytes - static_bytes) / self.memory_scale
+
+    def depth_floor(self, batch_size, num_blocks: int) -> np.ndarray:
+        """The fewest blocks checkpointed no failure rules out at each B (int64, num_blocks + 1 where
+        every depth is ruled out)."""
+        b = np.asarray(batch_size, dtype=np.int64)
+        floor = np.zeros(b.shape, dtype=np.int64)
+        for fb, fk in self.failed:
+            floor = np.where(b >= fb, np.maximum(floor, _depth(fk, num_blocks) + 1), floor)
+        return floor
+
+    def proven_depth(self, batch_size, num_blocks: int) -> np.ndarray:
+        """The fewest blocks checkpointed a fitted point proves to fit at each B (int64, num_blocks + 1
+        where none does)."""
+        b = np.asarray(batch_size, dtype=np.int64)
+        proven = np.full(b.shape, num_blocks + 1, dtype=np.int64)
+        for fb, fk in self.fitted:
+            proven = np.where(b <= fb, np.minimum(proven, _depth(fk, num_blocks)), proven)
+        return proven
+
+    def to_dict(self) -> dict:
+        return {"failed": [list(p) for p in self.failed], "fitted": [list(p) for p in self.fitted],
+                "memory_scale": self.memory_scale, "gap_bytes": self.gap_bytes, "batch_bound": self.batch_bound,
+                "pinned": None if self.pinned is None else list(self.pinned)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping) -> "BucketLimit":
+        """The limit of a `to_dict` document, or of the box of earlier versions (max_batch_size,
+        min_checkpointed, memory_scale, pinned: B <= max_batch_size and k >= min_checkpointed), which
+        is the frontier of two failures: at every depth above max_batch_size, and at B = 1 below
+        min_checkpointed; a pinned box is its fitted choice. ValueError for anything else."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"must be an object, got {type(doc).__name__}")
+        box = {"max_batch_size", "min_checkpointed", "memory_scale", "pinned"}
+        if set(doc) <= box and "min_checkpointed" in doc:
+            b, k = doc.get("max_batch_size"), require_int("min_checkpointed", doc["min_checkpointed"], minimum=0)
+            if doc.get("pinned"):
+                if b is None:
+                    raise ValueError("a pinned bucket needs its max_batch_size (the verified B)")
+                return cls(fitted=((b, k),), pinned=(b, k))
+            failed = ((1, k - 1),) if k > 0 else ()
+            return cls(failed=failed, memory_scale=doc.get("memory_scale", 1.0), batch_bound=b)
+        unknown = sorted(set(doc) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        return cls(**doc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,7 +294,7 @@ class Verification:
 
     def to_dict(self) -> dict:
         return {"shapes": [m.to_dict() for m in self.shapes],
-                "limits": {str(s): asdict(limit) for s, limit in sorted(self.limits.items())},
+                "limits": {str(s): limit.to_dict() for s, limit in sorted(self.limits.items())},
                 "max_seq_len": self.max_seq_len, "budget_bytes": self.budget_bytes}
 
     @classmethod
@@ -194,7 +308,7 @@ class Verification:
         limits = {}
         for key, value in doc["limits"].items():
             try:
-                limits[int(key)] = BucketLimit(**value)
+                limits[int(key)] = BucketLimit.from_dict(value)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{where}: limits[{key!r}]: {e}") from e
         try:

@@ -4,7 +4,7 @@ out, and a recorded verification (cache, resume)."""
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.calibration.verify import PlanVerifier, tighten
+from lightning_adaptiveload.calibration.verify import PlanVerifier
 from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
@@ -28,6 +28,23 @@ def models():
             DepthCostModel(base, L, 0.25))
 
 
+def table_buckets(table: BucketTable) -> dict:
+    """verify.Plan.buckets of a bucket table."""
+    return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in table.rows()}
+
+
+def table_shapes(table: BucketTable) -> list[ScheduledShape]:
+    """verify.Plan.shapes of a bucket table: each bucket's full batches, then its rest."""
+    out = []
+    for r in table.rows():
+        full, rest = divmod(r["samples"], r["batch_size"])
+        if full:
+            out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
+        if rest:
+            out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
+    return out
+
+
 class FakePlan:
     """verify.Plan over a real BucketTable (balanced, memory plan) and a fake device."""
 
@@ -37,6 +54,7 @@ class FakePlan:
         self.verification = None
         self.refits = 0
         self.measured = []  # (B, S, k, warm) of every measure call
+        self.reserve, self.gap = 1.02, 0.0  # reserved = reserve * allocated + gap
 
     def table(self) -> BucketTable:
         return BucketTable.build(TOKENS, COUNTS, THW, policy="balanced", m_mem=65536,
@@ -44,17 +62,10 @@ class FakePlan:
                                  verification=self.verification)
 
     def buckets(self):
-        return {r["seq_len"]: (r["batch_size"], r["latent_shape"], r["checkpointed"]) for r in self.table().rows()}
+        return table_buckets(self.table())
 
     def shapes(self):
-        out = []
-        for r in self.table().rows():
-            full, rest = divmod(r["samples"], r["batch_size"])
-            if full:
-                out.append(ScheduledShape(r["batch_size"], r["latent_shape"], full, r["checkpointed"]))
-            if rest:
-                out.append(ScheduledShape(rest, r["latent_shape"], 1, r["checkpointed"]))
-        return out
+        return table_shapes(self.table())
 
     def seq_len(self, thw):
         return {tuple(t): int(s) for s, t in zip(TOKENS, THW.tolist())}[tuple(thw)]
@@ -74,7 +85,7 @@ class FakePlan:
         if peak > self.oom_above:
             return {"status": "oom"}
         t = 1.1 * float(self.depth.predict(shape.batch_size, s, shape.checkpointed))
-        out = {"status": "ok", "cold_ms": t + 50.0, "peak_bytes": peak, "reserved_bytes": 1.02 * peak}
+        out = {"status": "ok", "cold_ms": t + 50.0, "peak_bytes": peak, "reserved_bytes": self.reserve * peak + self.gap}
         return {**out, "warm_ms": t} if warm else out
 
     def refit(self, verification):
@@ -90,22 +101,32 @@ def run(plan, **kw):
     return verifier, verifier.run()
 
 
-def test_tighten_checkpoints_more_blocks_first_then_shrinks_the_batch():
-    over = MeasuredShape(8, 4096, None, 2, "over_budget", warm_ms=5.0, peak_bytes=90e9, reserved_bytes=100e9,
-                         predicted_peak_bytes=80e9)
-    limit = tighten(None, over, L, budget_bytes=50e9, device_bytes=140e9)
-    assert limit == BucketLimit(max_batch_size=8, min_checkpointed=3, memory_scale=100e9 / 80e9)
-    at_full = MeasuredShape(8, 4096, None, L, "over_budget", warm_ms=5.0, peak_bytes=90e9, reserved_bytes=100e9,
-                            predicted_peak_bytes=80e9)
-    # every block checkpointed: B in proportion to budget / measured (8 * 50 / 100 = 4), the old k bound kept
-    assert tighten(BucketLimit(min_checkpointed=L), at_full, L, 50e9, 140e9) == BucketLimit(4, L, 100e9 / 80e9)
-    # out of memory: it needed at least the device (140e9), so B * 120e9 / 140e9, and the scale grows
-    oom = MeasuredShape(3, 4096, None, L, "oom", predicted_peak_bytes=70e9)
-    assert tighten(BucketLimit(memory_scale=1.5), oom, L, 120e9, 140e9) == BucketLimit(2, 0, 1.5 * 140e9 / 70e9)
-    assert tighten(None, MeasuredShape(1, 4096, None, L, "oom"), L, 120e9, 140e9) is None
-    no_switch = MeasuredShape(5, 4096, None, None, "oom")
-    assert tighten(None, no_switch, None, 120e9, 140e9).max_batch_size == 4  # int(5 * 120 / 140)
-    assert tighten(None, no_switch, None, 20e9, 140e9).max_batch_size == 1
+def test_one_failure_moves_k_by_the_measured_activation_bytes_in_one_jump():
+    """A device whose activations are 1.3x the model's and whose allocator reserves 3 GiB more than it
+    allocates: after one round each failed bucket's new choice is the fewest blocks checkpointed that
+    cover the excess as the measured scale and gap predict it (fp64 reference from the model's
+    parameters), and every one of them fits: one re-plan, not one block per round."""
+    memory, depth = models()
+    m0 = memory.params["m0"]
+    plan = FakePlan(memory, depth)
+    plan.true_peak = lambda b, s, k: m0 + 1.3 * (float(memory.predict(b, s, k)) - m0)
+    plan.reserve, plan.gap = 1.0, 3 * GIB
+    before = plan.buckets()
+    verifier, outcome = run(plan)
+    failed = {m.seq_len for m in outcome.verification.shapes if m.round == 1 and not m.fits}
+    assert failed and outcome.converged
+    assert all(m.fits for m in outcome.verification.shapes if m.round >= 2)  # one re-plan sufficed
+    for s in failed:
+        b0, _, k0 = before[s]
+        limit = outcome.verification.limits[s]
+        assert limit.gap_bytes == pytest.approx(3 * GIB)
+        # the device's activation factor, measured by every step that ran, plus the 2% margin
+        assert limit.memory_scale == pytest.approx(1.3 * 1.02, rel=1e-9)
+        b1, _, k1 = plan.buckets()[s]
+        held = lambda b, k: m0 + limit.memory_scale * (memory.predict(b, s, k) - m0) + 3 * GIB  # noqa: E731
+        assert held(b1, k1) <= BUDGET
+        if b1 == b0 and k1 > 0:
+            assert held(b1, k1 - 1) > BUDGET and k1 - k0 >= 1
 
 
 def test_a_plan_whose_peaks_are_predicted_low_is_planned_again_until_every_target_fits():
@@ -121,10 +142,10 @@ def test_a_plan_whose_peaks_are_predicted_low_is_planned_again_until_every_targe
     for s, (b, _, k) in after.items():
         assert plan.true_peak(b, s, k) * 1.02 <= BUDGET  # what the device really holds, within the budget
         limit = outcome.verification.limits[s]
-        assert limit.pinned and (limit.max_batch_size, limit.min_checkpointed) == (b, k)
-        if s in over:  # re-planned: more blocks checkpointed at no larger B, or a smaller B
+        assert limit.pinned == (b, k)
+        if s in over:  # re-planned off the failure's quadrant: a smaller B or more blocks checkpointed
             b0, _, k0 = before[s]
-            assert (b, k) != (b0, k0) and b <= b0 and (k > k0 or b < b0)
+            assert (b0, k0) in limit.failed and (b < b0 or k > k0)
     # every scheduled shape ran, full batches first; each measured with a warm step
     assert {(x.batch_size, plan.seq_len(x.latent_shape), x.checkpointed) for x in plan.shapes()} <= \
         {(m.batch_size, m.seq_len, m.checkpointed) for m in outcome.verification.shapes}

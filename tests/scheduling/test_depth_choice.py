@@ -143,3 +143,28 @@ def test_without_any_bound_on_the_batch_size_asks_for_one():
         choose_batch_and_depth([100], memory, cost, device_memory_bytes=4e9)
     choice = choose_batch_and_depth([100], memory, cost, device_memory_bytes=4e9, max_batch_size=8)
     assert choice.batch_size.tolist() == [8]
+
+
+def test_a_failure_rules_out_only_its_quadrant():
+    """B = 2 at k = 0 over the budget rules out B >= 2 at k = 0 only: B = 1 at k = 0 (never measured)
+    stays a candidate and wins where it is predicted to fit and runs fastest (the box of earlier
+    versions, B <= 2 and k >= 1, forced B = 1 to k = 1); B = 2 needs k >= 1."""
+    from lightning_adaptiveload.scheduling.verification import BucketLimit
+    L = 6
+    memory = MemoryModel("linear", {"m0": 10 * GiB, "c": 2e6, "a": 3e3, "c_k": 1e6, "b": 6e4}, num_blocks=L)
+    # time per sample grows with B (a saturated device), so B = 1 at k = 0 beats B = 2 at any k
+    cost = DepthCostModel(CostModel("power", {"a": 0.0, "b": 1e-3, "p": 1.3}, p=1.3, quality={}), L, 0.3)
+    s = 20000
+    device = (memory.predict(2, s, 0) + memory.predict(1, s, 0)) / 2 / 0.9  # B = 1 fits at k = 0, B = 2 not
+    assert memory.predict(1, s, 0) <= 0.9 * device < memory.predict(2, s, 0)
+    limit = BucketLimit(failed=((2, 0),))
+    choice = choose_batch_and_depth([s], memory, cost, device_memory_bytes=device, max_memory_fraction=0.9,
+                                    max_tokens=65536, limits={s: limit})
+    assert (choice.batch_size[0], choice.checkpointed[0]) == (1, 0)
+    np.testing.assert_array_equal(limit.depth_floor([1, 2, 3], L), [0, 1, 1])
+    # a measured fit proves its quadrant: B <= 3 at k >= 2 fits whatever the prediction says
+    proven = BucketLimit(failed=((4, L),), fitted=((3, 2),), memory_scale=10.0)
+    np.testing.assert_array_equal(proven.proven_depth([1, 3, 4], L), [2, 2, L + 1])
+    choice = choose_batch_and_depth([s], memory, cost, device_memory_bytes=device, max_memory_fraction=0.9,
+                                    max_tokens=65536, limits={s: proven})
+    assert choice.fits[0] and choice.batch_size[0] <= 3 and choice.checkpointed[0] >= 2

@@ -32,22 +32,30 @@ def shape(b=2, s=4096, k=3, status="fits", **kw):
 
 
 def brute_force(seq_len, memory, depth, budget, max_tokens, limit):
-    """(B, k) by enumerating every (B, k) with B <= cap, k >= min_checkpointed, scaled peak <= budget:
-    the highest B*S/t, ties to the larger B (the rule of choose_batch_and_depth, written out)."""
+    """(B, k) by enumerating every (B, k) with B <= the caps: ruled out if a failed (b, f) has B >= b and
+    k <= f; feasible if a fitted (b, f) has B <= b and k >= f, else if m0 + scale * (peak - m0) + gap <=
+    budget; per B the fewest feasible k, then the highest B*S/t, ties to the larger B (the rule of
+    choose_batch_and_depth, written out in scalars)."""
+    m0 = memory.params["m0"]
     best = None
     cap = max(1, max_tokens // seq_len)
-    if limit.max_batch_size is not None:
-        cap = min(cap, limit.max_batch_size)
+    if limit.batch_bound is not None:
+        cap = min(cap, limit.batch_bound)
     for b in range(1, cap + 1):
-        fitting = [k for k in range(limit.min_checkpointed, L + 1)
-                   if limit.memory_scale * memory.predict(b, seq_len, k) <= budget]
+        def feasible(k):
+            if any(b >= fb and k <= (L if fk is None else fk) for fb, fk in limit.failed):
+                return False
+            if any(b <= fb and k >= (L if fk is None else fk) for fb, fk in limit.fitted):
+                return True
+            return m0 + limit.memory_scale * (memory.predict(b, seq_len, k) - m0) + limit.gap_bytes <= budget
+        fitting = [k for k in range(L + 1) if feasible(k)]
         if not fitting:
             continue
         k = fitting[0]
         rate = b / depth.predict(b, seq_len, k)
         if best is None or rate >= best[0]:
             best = (rate, b, k)
-    return best[1:]
+    return None if best is None else best[1:]
 
 
 def test_measured_shape_checks_its_fields_and_round_trips_through_json():
@@ -63,20 +71,42 @@ def test_measured_shape_checks_its_fields_and_round_trips_through_json():
     with pytest.raises(ValueError, match="unknown keys"):
         MeasuredShape.from_dict({**m.to_dict(), "extra": 1})
     with pytest.raises(ValueError, match="memory_scale"):
-        BucketLimit(memory_scale=0.5)
+        BucketLimit(memory_scale=0.0)
     with pytest.raises(ValueError, match="pinned"):
         BucketLimit(pinned=True)
+    with pytest.raises(ValueError, match="failed must be a list of \\(B, k\\) pairs"):
+        BucketLimit(failed=((0, 3),))
+    with pytest.raises(ValueError, match="gap_bytes"):
+        BucketLimit(gap_bytes=-1.0)
 
 
 def test_verification_round_trips_and_rejects_malformed_documents():
-    v = Verification((shape(), shape(b=4, status="oom")), {4096: BucketLimit(2, 3, 1.2, pinned=True)}, 20000, 7e10)
+    limits = {4096: BucketLimit(failed=((4, 3), (9, None)), fitted=((2, 3),), memory_scale=1.2, gap_bytes=6e9,
+                                batch_bound=8, pinned=(2, 3)),
+              1024: BucketLimit(failed=((7, 0),), memory_scale=0.9)}
+    v = Verification((shape(), shape(b=4, status="oom"), shape(b=9, k=None, status="predicted_oom")), limits, 20000, 7e10)
     again = Verification.from_dict(json.loads(json.dumps(v.to_dict())))
     assert again.shapes == v.shapes and dict(again.limits) == dict(v.limits)
     assert again.max_seq_len == 20000 and again.budget_bytes == 7e10
     with pytest.raises(ValueError, match="ckpt: limits\\['4096'\\]"):
-        Verification.from_dict({**v.to_dict(), "limits": {"4096": {"max_batch_size": 0}}}, "ckpt")
+        Verification.from_dict({**v.to_dict(), "limits": {"4096": {"max_batch_size": 0, "min_checkpointed": 1}}}, "ckpt")
+    with pytest.raises(ValueError, match="ckpt: limits\\['4096'\\]: unknown keys \\['box'\\]"):
+        Verification.from_dict({**v.to_dict(), "limits": {"4096": {"box": 1}}}, "ckpt")
     with pytest.raises(ValueError, match="ckpt: must be an object"):
         Verification.from_dict({"shapes": []}, "ckpt")
+
+
+def test_old_box_limits_read_as_the_frontier_they_mean():
+    """A box limit of earlier versions (B <= max_batch_size, k >= min_checkpointed) allows exactly the
+    (B, k) its converted frontier allows."""
+    box = {"max_batch_size": 5, "min_checkpointed": 2, "memory_scale": 1.3, "pinned": False}
+    limit = BucketLimit.from_dict(box)
+    b = np.arange(1, 12)
+    for k in range(L + 1):
+        allowed = (limit.depth_floor(b, L) <= k) & (b <= limit.max_batch_size)
+        np.testing.assert_array_equal(allowed, (b <= 5) & (k >= 2))
+    pinned = BucketLimit.from_dict({**box, "pinned": True})
+    assert pinned.pinned == (5, 2) and pinned.max_batch_size == 5
 
 
 def test_limits_bound_the_depth_choice_as_a_brute_force_does():
@@ -84,22 +114,34 @@ def test_limits_bound_the_depth_choice_as_a_brute_force_does():
     seq_lens = np.array([1024, 4096, 16384, 40000])
     budget_device = 40 * GIB
     rng = np.random.default_rng(3)
-    for trial in range(20):
-        limits = {int(s): BucketLimit(max_batch_size=int(rng.integers(1, 40)), min_checkpointed=int(rng.integers(0, L)),
-                                      memory_scale=float(rng.uniform(1, 1.6)))
-                  for s in seq_lens if rng.random() < 0.7}
+
+    def points(n):
+        return tuple((int(rng.integers(1, 40)), None if rng.random() < 0.15 else int(rng.integers(0, L + 1)))
+                     for _ in range(n))
+    for trial in range(40):
+        limits = {int(s): BucketLimit(failed=points(int(rng.integers(0, 4))), fitted=points(int(rng.integers(0, 3))),
+                                      memory_scale=float(rng.uniform(0.8, 1.6)), gap_bytes=float(rng.uniform(0, 8 * GIB)),
+                                      batch_bound=None if rng.random() < 0.7 else int(rng.integers(1, 40)))
+                  for s in seq_lens if rng.random() < 0.8}
         choice = choose_batch_and_depth(seq_lens, memory, depth, device_memory_bytes=budget_device,
                                         max_memory_fraction=0.8, max_tokens=65536, limits=limits)
         for i, s in enumerate(seq_lens):
             limit = limits.get(int(s), BucketLimit())
             ref = brute_force(int(s), memory, depth, 0.8 * budget_device, 65536, limit)
+            if ref is None:  # nothing feasible: B = 1 at k = L unless a failure rules it out
+                fallback = int(s) in limits and not any(fb <= 1 and (fk is None or fk >= L) for fb, fk in limit.failed)
+                assert choice.fits[i] == fallback, (trial, int(s), limit)
+                assert (choice.batch_size[i], choice.checkpointed[i]) == ((1, L) if fallback else (0, L))
+                continue
             assert (choice.batch_size[i], choice.checkpointed[i]) == ref, (trial, int(s), limit)
-            assert choice.peak_bytes[i] == pytest.approx(limit.memory_scale * memory.predict(*ref[:1], int(s), ref[1]))
+            m0 = memory.params["m0"]
+            assert choice.peak_bytes[i] == pytest.approx(
+                m0 + limit.memory_scale * (memory.predict(ref[0], int(s), ref[1]) - m0) + limit.gap_bytes)
 
 
 def test_a_pinned_bucket_keeps_its_verified_choice_whatever_the_models_say():
     depth, memory = models()
-    pinned = BucketLimit(max_batch_size=7, min_checkpointed=0, pinned=True)  # the models say it does not fit
+    pinned = BucketLimit(fitted=((7, 0),), pinned=(7, 0))  # the models say it does not fit
     assert memory.predict(7, 40000, 0) > 0.8 * 20 * GIB
     choice = choose_batch_and_depth(np.array([40000]), memory, depth, device_memory_bytes=20 * GIB,
                                     max_memory_fraction=0.8, max_tokens=65536, limits={40000: pinned})
@@ -109,7 +151,7 @@ def test_a_pinned_bucket_keeps_its_verified_choice_whatever_the_models_say():
 
 def test_the_table_caps_token_budget_batches_leaves_out_long_buckets_and_shows_the_measurements():
     tokens, counts = np.array([256, 1024, 4096, 16384]), np.array([50, 40, 30, 20])
-    limits = {1024: BucketLimit(max_batch_size=10), 4096: BucketLimit(min_checkpointed=2)}
+    limits = {1024: BucketLimit(failed=((11, None),), batch_bound=10), 4096: BucketLimit(failed=((1, 1),))}
     v = Verification((shape(b=10, s=1024, k=None, warm_ms=77.0),), limits, max_seq_len=4096)
     table = BucketTable.build(tokens, counts, policy="token_equal", m_mem=65536, verification=v)
     assert table.seq_len.tolist() == [256, 1024, 4096]  # 16384 above verification's max_seq_len
@@ -143,7 +185,7 @@ def test_the_balanced_plan_prices_batches_with_the_measured_times():
     # a measurement that makes the 1024 bucket the most expensive of all
     slow = [MeasuredShape(r["batch_size"], r["seq_len"], None, r["checkpointed"], "fits", warm_ms=1e6 if
                           r["seq_len"] == 1024 else r["cost_ms"], peak_bytes=1e9) for r in rows]
-    limits = {r["seq_len"]: BucketLimit(r["batch_size"], r["checkpointed"], pinned=True) for r in rows}
+    limits = {r["seq_len"]: BucketLimit(pinned=(r["batch_size"], r["checkpointed"])) for r in rows}
     sampler = BucketBatchSampler(seq_lens, policy="balanced", m_mem=65536, memory_plan=plan, num_replicas=4, rank=0,
                                  verification=Verification(tuple(slow), limits))
     assert sampler.bucket_table.batch_size.tolist() == plain.bucket_table.batch_size.tolist()  # pinned: same B, k

@@ -1,0 +1,149 @@
+"""StepRunner's steps hold what Lightning's training steps hold (the previous step's gradients during
+the forward, through the backward when accumulating) and agree on an out-of-memory error across
+ranks after the forward and after the backward: on a CPU with a minimal strategy, and in a 2-process
+gloo group where one rank alone runs out of memory."""
+import multiprocessing as mp
+import os
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_adaptiveload.calibration.runner import StepRunner
+
+
+class Strategy:
+    """The part of a Lightning strategy StepRunner uses; reduce all-reduces when a group is up, and
+    post_backward all-reduces the gradients as DDP does (a collective a rank must not miss)."""
+
+    def __init__(self, module):
+        self.module, self.root_device = module, torch.device("cpu")
+
+    def training_step(self, batch):
+        return self.module.training_step(batch)
+
+    def batch_to_device(self, batch):
+        return batch
+
+    def pre_backward(self, loss):
+        self.module.at_pre_backward.append(all(p.grad is not None for p in self.module.parameters()))
+
+    def post_backward(self, loss):
+        if dist.is_initialized():
+            for p in self.module.parameters():
+                dist.all_reduce(p.grad)
+
+    def reduce(self, value, reduce_op="max"):
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value
+
+    def broadcast(self, obj):
+        return obj
+
+
+class Tiny(torch.nn.Module):
+    """A LightningModule's surface: training_step; records whether every parameter had a gradient at
+    each forward and at each pre_backward."""
+
+    def __init__(self, fail_at_forward: int | None = None):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.at_forward, self.at_pre_backward = [], []
+        self.fail_at_forward = fail_at_forward
+
+    def training_step(self, batch):
+        self.at_forward.append(all(p.grad is not None for p in self.parameters()))
+        if self.fail_at_forward is not None and len(self.at_forward) == self.fail_at_forward:
+            raise torch.OutOfMemoryError("fake: out of memory on this rank alone")
+        return self.linear(batch).square().mean()
+
+
+def runner_for(module, accumulate=1, world_size=1, rank=0):
+    trainer = types.SimpleNamespace(strategy=Strategy(module), optimizers=[], accumulate_grad_batches=accumulate,
+                                    world_size=world_size, is_global_zero=rank == 0)
+    runner = StepRunner(trainer, module)
+    return runner
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_previous_steps_gradients_are_held_during_forward_as_in_lightning(accumulate):
+    module = Tiny()
+    runner = runner_for(module, accumulate)
+    module.log = module.log_dict = None  # StepRunner replaces and deletes them
+    with runner:
+        out = runner.measure(lambda: torch.randn(4, 8), warmup=1, repeats=2)
+    assert out["status"] == "ok"
+    # every forward, the first included, runs with gradients allocated (the step before's)
+    assert module.at_forward == [True, True, True]
+    # without accumulation Lightning's zero_grad (set to None) runs between forward and backward;
+    # accumulating, a micro-batch after the first backpropagates into the held gradients
+    assert module.at_pre_backward == [accumulate > 1] * 3
+    assert all(p.grad is None for p in module.parameters())  # leaving the runner drops them
+
+
+def _rank(rank: int, port: int, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        module = Tiny(fail_at_forward=2 if rank == 1 else None)  # rank 1 alone, at its second step
+        module.log = module.log_dict = None
+        runner = runner_for(module, world_size=2, rank=rank)
+        with runner:
+            first = runner.measure(lambda: torch.randn(4, 8), warmup=1, repeats=2)
+            module.fail_at_forward = None
+            second = runner.measure(lambda: torch.randn(4, 8), warmup=0, repeats=1)  # collectives still line up
+        results[rank] = (first, second["status"], len(module.at_forward))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_out_of_memory_step_on_one_rank_is_agreed_on_by_every_rank_without_a_hang():
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = 29500 + os.getpid() % 2000
+        procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+        assert not hung, "a rank hung in a collective"
+        assert all(p.exitcode == 0 for p in procs)
+        results = dict(results)
+    for rank in (0, 1):
+        first, second, forwards = results[rank]
+        assert first == {"status": "oom"} and second == "ok"
+        assert forwards == 3  # both stopped after the second forward, then ran one more step
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_held_gradients_add_their_bytes_to_the_peak():
+    """The peak of a measured step exceeds that of a step whose gradients were dropped before its
+    forward by up to the gradient bytes: at the forward's end activations and gradients are held
+    together, while the dropped step's backward peak holds some gradients already (those of the
+    last layers, computed before the first layers' activations are freed)."""
+    device = torch.device("cuda")
+    module = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device)
+    module.training_step = lambda batch: module(batch).square().mean()
+    module.log = module.log_dict = None
+    module.at_pre_backward = []
+    trainer = types.SimpleNamespace(strategy=Strategy(module), optimizers=[], accumulate_grad_batches=1,
+                                    world_size=1, is_global_zero=True)
+    trainer.strategy.root_device = device
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    batch = torch.randn(4096, 2048, device=device)
+    with StepRunner(trainer, module) as runner:
+        held = runner.measure(lambda: batch, warmup=0, repeats=1, empty_cache=True)["peak_bytes"]
+        runner.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = module.training_step(batch)  # the reference: forward and backward with no gradients held
+        loss.backward()
+        del loss
+        dropped = torch.cuda.max_memory_allocated()
+    assert 0.5 * grad_bytes <= held - dropped <= 1.02 * grad_bytes

@@ -208,6 +208,62 @@ def test_cache_reuse_skips_the_benchmark_and_a_changed_model_does_not(tmp_path):
     assert third.result.source == "measured"
 
 
+class TextDataModule(GridDataModule):
+    """GridDataModule with the text shape attributes AdaptiveLoadDataModule has."""
+
+    def __init__(self, text_len=3, text_dim=16):
+        super().__init__()
+        self.text_len, self.text_dim = text_len, text_dim
+
+
+class ThreadProbeModule(VideoDiTModule):
+    """Records torch's intra-op thread count at every step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.threads = []
+
+    def training_step(self, batch, batch_idx):
+        self.threads.append(torch.get_num_threads())
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_cache_key_names_the_text_shape_accumulation_torch_and_cpu_threads(tmp_path):
+    cache = tmp_path / "cache.json"
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache), verify=False,
+                  **TRUST_ANY)
+
+    def source(run, dm, threads=1, **trainer_kwargs):
+        calib = CostModelCalibration(**kwargs)
+        torch.set_num_threads(threads)  # the one_thread fixture restores the count after the test
+        _fit_dm(tmp_path / run, VideoDiTModule(**TINY), [calib], dm, **trainer_kwargs)
+        return calib.result.source
+
+    assert source("a", TextDataModule()) == "measured"
+    key = json.loads(cache.read_text())["key"]
+    assert key["data"] == {"latent_channels": None, "text_len": 3, "text_dim": 16}
+    assert key["accumulate_grad_batches"] == 1 and key["torch"] == torch.__version__ and key["cpu_threads"] == 1
+    assert source("b", TextDataModule()) == "cache"
+    # each change measures again (and, trusted, replaces the cache with its own key)
+    assert source("c", TextDataModule(text_len=5)) == "measured"
+    assert source("d", TextDataModule(text_len=5, text_dim=8)) == "measured"
+    assert source("e", TextDataModule(text_len=5, text_dim=8), accumulate_grad_batches=2) == "measured"
+    assert source("f", TextDataModule(text_len=5, text_dim=8), threads=2, accumulate_grad_batches=2) == "measured"
+    assert json.loads(cache.read_text())["key"]["cpu_threads"] == 2
+    assert source("g", TextDataModule(text_len=5, text_dim=8), threads=2, accumulate_grad_batches=2) == "cache"
+
+
+def test_cpu_calibration_steps_run_on_one_thread_and_training_on_the_runs_count(tmp_path):
+    module = ThreadProbeModule(**TINY)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after the test
+    _fit_dm(tmp_path, module, [calib], ShapesDataModule(), max_steps=2)
+    # every step but training's two ran on one thread (the grid and verification), then the count came back
+    assert len(module.threads) > 2 and module.threads[:-2] == [1] * (len(module.threads) - 2)
+    assert module.threads[-2:] == [2, 2] and torch.get_num_threads() == 2
+
+
 def test_fingerprint_sees_activation_checkpointing_and_instance_forward_patches():
     # Both change the step's time and memory without touching a parameter: a cached calibration of
     # the plain model must not be reused for them.
@@ -781,6 +837,12 @@ def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_
     # out rather than built by required_points, which the callback calls
     required = [(1, 16), (1, 64), (1, 96), (2, 16), (4, 16), (2, 64), (4, 64)]
     assert [(p["batch_size"], p["seq_len"]) for p in half] == required  # the points the fit needs, again at k = 1
+    # and at the lowest depth predicted to fit, k = 0 on this device (8 GiB, peaks of kilobytes): where the plan
+    # picks most buckets' depth, interpolated rather than extrapolated
+    low = [p for p in calib.result.points if p["checkpointed"] == 0]
+    assert [(p["batch_size"], p["seq_len"]) for p in low] == required
+    order = [(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.result.points]
+    assert all(order.index((b, s, 2)) + 1 == order.index((b, s, 1)) == order.index((b, s, 0)) - 1 for b, s in required)
     # each point ran at its depth: every step of the grid recorded (B, S, k) of a recorded point
     recorded = {(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.result.points}
     assert set(module.steps[:-1]) == recorded  # (the last step is training's)

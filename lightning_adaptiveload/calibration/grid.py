@@ -68,19 +68,22 @@ def predicted_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int |
 
 def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int, every_block: int) -> float:
     """Held memory (bytes) of (b, s) at depth `checkpointed` (k): its measured held memory at depth
-    `every_block` (L) plus (L - k) * B*S times the largest extra bytes per token per un-checkpointed
-    block of the pairs measured at L and at some k' < L so far (memory beyond a checkpointed block's
-    input grows with the tokens and with the blocks that keep their activations); 0 when no pair or no
-    measurement at `every_block` exists yet."""
+    `every_block` (L) plus B*S times the largest extra bytes per token per extra live block of the pairs
+    measured at L and at some k' < L - 1 so far. As in the memory model (docs/memory.md), n(k) =
+    max(L - k, 1) blocks' activations are live at the peak (k = L - 1 peaks as k = L does), and each
+    live block's grow with the tokens; 0 when no pair or no measurement at `every_block` exists yet."""
+    def live(k: int) -> int:
+        return max(every_block - k, 1)
+
     held = {(p["batch_size"], p["seq_len"], p.get("checkpointed")): point_held_bytes(p) for p in points
             if p["status"] == "ok"}
     base = held.get((b, s, every_block))
-    per_block_token = [(peak - held[(pb, ps, every_block)]) / ((every_block - k) * pb * ps)
+    per_block_token = [(peak - held[(pb, ps, every_block)]) / ((live(k) - 1) * pb * ps)
                        for (pb, ps, k), peak in held.items()
-                       if k is not None and k < every_block and (pb, ps, every_block) in held]
+                       if k is not None and live(k) > 1 and (pb, ps, every_block) in held]
     if base is None or not per_block_token:
         return 0.0
-    return base + max(per_block_token) * (every_block - checkpointed) * b * s
+    return base + max(per_block_token) * (live(checkpointed) - 1) * b * s
 
 
 def lowest_fitting_depth(points: list[dict], b: int, s: int, every_block: int, below: int,

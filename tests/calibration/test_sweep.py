@@ -21,7 +21,8 @@ L = 8  # blocks
 
 
 class FakeRunner:
-    """Runner protocol over formulas: alloc = m0 + c*B*S + a*(L - k)*B*S bytes, reserved = alloc *
+    """Runner protocol over formulas: alloc = m0 + c*B*S + a*n*B*S bytes with n = max(L - k, 1) live
+    blocks (the memory model's, docs/memory.md), reserved = alloc *
     frag + gap (a gap that is not a pure scale), step ms = t0 + u*B*S*(1 + (L - k) / L * 0.1) plus
     noise, the first step of a (B, S, k) `cold_ms` longer. The clock advances by every step."""
 
@@ -35,7 +36,7 @@ class FakeRunner:
         self.seen = set()
 
     def alloc(self, b, s, k):
-        return self.m0 + self.c * b * s + self.a * (L - k) * b * s
+        return self.m0 + self.c * b * s + self.a * max(L - k, 1) * b * s
 
     def reserved(self, b, s, k):
         return self.alloc(b, s, k) * self.frag + self.gap
@@ -86,7 +87,8 @@ def test_points_hold_max_of_allocated_and_reserved_and_the_low_depth_is_the_smal
     seq_lens, sizes = [64, 256, 1024], [1, 2, 4, 8]
     grid = calibration_grid(seq_lens, sizes, None)
     held = lambda b, s, k: max(runner.alloc(b, s, k), runner.reserved(b, s, k))  # noqa: E731
-    limit = held(4, 256, 2) + 1.0  # (4, 256) fits down to k = 2 only; the B = 1 points fit at k = 0
+    # (4, 256) fits down to k = 2 only, half a block's growth from the limit; the B = 1 points fit at k = 0
+    limit = (held(4, 256, 2) + held(4, 256, 1)) / 2
     points = _run(runner, grid, sizes, limit)
     for p in points:
         if p["status"] == "ok":

@@ -6,8 +6,8 @@ calibrates), the synthetic shards of a config written once and shared by its run
 busy-loop process per core keeps every core busy throughout (what a newcomer's machine does while a
 browser, an IDE or a test suite runs). Kept per run: the exit status, the wall seconds, whether the
 fit was trusted on its first pass (no "the fit is not trusted" line), whether it fell back to
-token_equal, calibration.json's trusted / source / seconds / cold_seconds / verify_seconds, and the
-training throughput the LoadBalanceMonitor printed (tokens/s). Writes benchmarks/results/
+token_equal, calibration.json's trusted / source / seconds / cold_seconds / verify_seconds, the
+training throughput the LoadBalanceMonitor printed (tokens/s), and the output's last lines. Writes benchmarks/results/
 cpu_robustness.json (--out) and a PNG beside it. Run from the repository root:
 
     python benchmarks/e2e/cpu_robustness.py --runs 2 --load
@@ -35,6 +35,7 @@ DISTRUST_LINE = "the fit is not trusted"  # calibration/loop.py: the first pass 
 FALLBACK_LINE = "falls back to the token_equal policy"  # calibration/loop.py: the second pass too
 THROUGHPUT = re.compile(r"global throughput:\s+([0-9.]+) tokens/s")  # monitoring/balance.py's summary
 BUSY_LOOP = "while True:\n    pass\n"
+LOG_TAIL = 40  # lines of each fit's output kept in the result
 
 
 def parse_log(text: str) -> dict:
@@ -80,6 +81,9 @@ def fit_command(config: str, root: Path, data: Path) -> list[str]:
 
 
 def run_once(config: str, root: Path, data: Path, timeout_s: float, log_path: Path) -> dict:
+    """One fit; its record, with the last LOG_TAIL lines of its output and whether it wrote the
+    config's shards first (the first run of a config does: its wall time includes that)."""
+    synthesized = not (data / "index.jsonl").exists()
     begin = time.perf_counter()
     try:
         proc = subprocess.run(fit_command(config, root, data), cwd=REPO, capture_output=True, text=True,
@@ -89,8 +93,8 @@ def run_once(config: str, root: Path, data: Path, timeout_s: float, log_path: Pa
         rc, text = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
     wall_s = time.perf_counter() - begin
     log_path.write_text(text, encoding="utf-8")
-    return {"config": config, "rc": rc, "wall_s": round(wall_s, 2), **parse_log(text),
-            "calibration": read_calibration(root)}
+    return {"config": config, "rc": rc, "wall_s": round(wall_s, 2), "synthesized": synthesized, **parse_log(text),
+            "calibration": read_calibration(root), "log_tail": text.splitlines()[-LOG_TAIL:]}
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:

@@ -71,8 +71,8 @@ def fit_memory_models(points: list[dict], num_blocks: int, base: CostModel, extr
     built; extra_bytes: memory every training step holds that calibration's steps do not (the
     optimizer state, calibration/memory.py), added to the memory model's m0. verified: shapes
     verification ran (calibration/verify.py) with a peak, under training's memory conditions: their
-    held memory (MeasuredShape.used_bytes), less extra_bytes, and warm times join the points, so a refit sees the depths and batch
-    sizes the plan chose. The memory model's quality describes the held bytes it was fitted to (without
+    held memory (MeasuredShape.used_bytes), less extra_bytes, and warm times join the points, so a
+    refit sees the depths and batch sizes the plan chose. The memory model's quality describes the held bytes it was fitted to (without
     extra_bytes); a held-out mean relative error above `max_heldout_error` (the memory model's own
     threshold) is refused."""
     ok = [{**p, "held_bytes": point_held_bytes(p)} for p in points if p["status"] == "ok"]

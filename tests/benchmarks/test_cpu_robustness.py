@@ -1,18 +1,11 @@
 """benchmarks/e2e/cpu_robustness.py without its long runs: what it reads from a fit's output and its
 calibration.json, and its per-config summary, on made-up runs."""
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("cpu_robustness", REPO / "benchmarks" / "e2e" / "cpu_robustness.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench
-_spec.loader.exec_module(bench)
+from benchmarks.e2e import cpu_robustness as bench
 
 
 def test_the_log_says_whether_the_first_pass_was_trusted_whether_it_fell_back_and_the_throughput():

@@ -19,9 +19,9 @@ DEFAULT_MAX_MEMORY_HELDOUT_ERROR = 0.10
 # model on a noisy CPU measures ~0.5, constant or falling times ~0 or below.
 DEFAULT_MIN_WORK_CORRELATION = 0.2
 # The long-step rule (calibration/sweep.py, measure_point): a grid point whose first (cold) step takes
-# this long or longer is timed on one warm step, without more warm-up. Such a step (the 1.3B model at
-# tens of thousands of tokens on an H200) varies by a few percent of itself between warm steps, within
-# the fit's error, while each extra warm-up or repeat costs seconds per point.
+# this long or longer is timed on one warm step, without more warm-up. What varies between warm steps
+# (launch latency, clock and allocator jitter: milliseconds) is small against seconds, while each
+# extra warm-up or repeat costs seconds per point (the 1.3B model's long buckets on an H200).
 LONG_STEP_MS = 2000.0
 
 

@@ -294,8 +294,8 @@ class Calibration:
         elif outcome.settled:
             self.warn(f"CostModelCalibration: {len(outcome.settled)} bucket(s) still did not fit after "
                       f"{self.config.verify_rounds} re-plans and were settled on their safest measured batch "
-                      f"({', '.join(map(str, outcome.settled))} tokens); the settled plan is cached: a later run checks each "
-                      f"of its shapes once")
+                      f"({', '.join(map(str, outcome.settled))} tokens); a trusted fit is cached with this settled plan: a "
+                      f"later run checks each of its shapes once")
         return outcome, state
 
     def _prior(self, budget: float) -> tuple[Verification | None, bool]:

@@ -26,13 +26,16 @@ class FakeRunner:
     frag + gap (a gap that is not a pure scale), step ms = t0 + u*B*S*(1 + (L - k) / L * 0.1) plus
     noise, the first step of a (B, S, k) `cold_ms` longer. The clock advances by every step."""
 
-    def __init__(self, rng, cold_extra_ms=5.0, m0=1e6, c=300.0, a=40.0, frag=1.12, gap=3e5, t0=2.0, u=0.01):
+    def __init__(self, rng, cold_extra_ms=5.0, m0=1e6, c=300.0, a=40.0, frag=1.12, gap=3e5, t0=2.0, u=0.01,
+                 device="cuda"):
         self.rng, self.cold_extra_ms = rng, cold_extra_ms
         self.m0, self.c, self.a, self.frag, self.gap, self.t0, self.u = m0, c, a, frag, gap, t0, u
-        self.device, self.is_global_zero = torch.device("cpu"), True
+        self.device, self.is_global_zero = torch.device(device), True
         self.k = L
         self.now = 0.0
         self.calls = []  # (B, S, k, warmup, repeats)
+        self.noise = 0.01  # relative, one-sided: interference only adds time
+        self.medians = []  # time_ms of every measurement
         self.seen = set()
 
     def alloc(self, b, s, k):
@@ -56,14 +59,15 @@ class FakeRunner:
         self.calls.append((b, s, k, warmup, repeats))
         times = []
         for _ in range((2 if settle else 0) + warmup + repeats):
-            ms = self.step_ms(b, s, k) * (1 + 0.01 * self.rng.random())
+            ms = self.step_ms(b, s, k) * (1 + self.noise * self.rng.random())
             if (b, s, k) not in self.seen:
                 ms += self.cold_extra_ms(b, s) if callable(self.cold_extra_ms) else self.cold_extra_ms
                 self.seen.add((b, s, k))
             times.append(ms)
             self.now += ms / 1e3
         timed = times[(2 if settle else 0) + warmup:]
-        return {"status": "ok", "time_ms": float(np.median(timed)), "first_ms": times[0],
+        self.medians.append(float(np.median(timed)))
+        return {"status": "ok", "time_ms": self.medians[-1], "first_ms": times[0],
                 "peak_bytes": int(self.alloc(b, s, k)), "reserved_bytes": int(self.reserved(b, s, k))}
 
     def agree(self, flag):
@@ -147,6 +151,20 @@ def test_warmup_0_times_the_first_step_with_the_others_in_one_call():
     point = measure_point(runner, lambda: {"b": 2, "s": 64}, warmup=0, repeats=3, settle=False)
     assert runner.calls == [(2, 64, L, 0, 3)] and point["repeats"] == 3
     assert point["cold_ms"] >= runner.step_ms(2, 64, L) + runner.cold_extra_ms
+
+
+def test_on_cpu_each_timed_step_is_measured_alone_and_the_fastest_counts():
+    runner = FakeRunner(np.random.default_rng(4), device="cpu")
+    runner.noise = 3.0  # a busy machine: steps up to 4x their own cost
+    point = measure_point(runner, lambda: {"b": 4, "s": 64}, warmup=2, repeats=5, settle=True)
+    # the cold step, then the rest of the warm-up (and the settling) with the first timed step, then one
+    # call per timed step
+    assert runner.calls == [(4, 64, L, 0, 1), (4, 64, L, 1, 1)] + [(4, 64, L, 0, 1)] * 4
+    assert point["time_ms"] == min(runner.medians[1:]) and point["repeats"] == 5
+    assert point["time_ms"] < np.median(runner.medians[1:])  # the test tells the minimum from the median
+    gpu = FakeRunner(np.random.default_rng(4))
+    measure_point(gpu, lambda: {"b": 4, "s": 64}, warmup=2, repeats=5, settle=True)
+    assert gpu.calls == [(4, 64, L, 0, 1), (4, 64, L, 1, 5)]  # the GPU path: one measurement, its median
 
 
 def test_the_time_budget_counts_warm_measurement_not_the_cold_steps():

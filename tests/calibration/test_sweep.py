@@ -153,18 +153,27 @@ def test_warmup_0_times_the_first_step_with_the_others_in_one_call():
     assert point["cold_ms"] >= runner.step_ms(2, 64, L) + runner.cold_extra_ms
 
 
-def test_on_cpu_each_timed_step_is_measured_alone_and_the_fastest_counts():
+def test_on_cpu_the_repeats_are_spread_over_the_sweep_and_the_fastest_counts():
     runner = FakeRunner(np.random.default_rng(4), device="cpu")
     runner.noise = 3.0  # a busy machine: steps up to 4x their own cost
-    point = measure_point(runner, lambda: {"b": 4, "s": 64}, warmup=2, repeats=5, settle=True)
-    # the cold step, then the rest of the warm-up (and the settling) with the first timed step, then one
-    # call per timed step
-    assert runner.calls == [(4, 64, L, 0, 1), (4, 64, L, 1, 1)] + [(4, 64, L, 0, 1)] * 4
-    assert point["time_ms"] == min(runner.medians[1:]) and point["repeats"] == 5
-    assert point["time_ms"] < np.median(runner.medians[1:])  # the test tells the minimum from the median
+    seq_lens, sizes = [64, 256], [1, 2, 4]
+    grid = calibration_grid(seq_lens, sizes, None)
+    points = _run(runner, grid, tuple(sizes), memory_limit=None, warmup=2, repeats=4)
+    keys = [(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in points]
+    # the sweep: per point its cold step, then the rest of the warm-up and one timed step; then 3 passes
+    # over every point in order, one timed step each
+    sweep_calls = [c for key in keys for c in ((*key, 0, 1), (*key, 1, 1))]
+    assert runner.calls == sweep_calls + [(*key, 0, 1) for _ in range(3) for key in keys]
+    timed: dict[tuple, list[float]] = {}
+    for call, ms in zip(runner.calls, runner.medians):
+        timed.setdefault(call[:3], []).append(ms)
+    for p, key in zip(points, keys):
+        assert p["repeats"] == 4 and p["time_ms"] == min(timed[key][1:])  # the cold step does not count
+        assert p["cold_ms"] == pytest.approx(timed[key][0])
+    assert any(p["time_ms"] < np.median(timed[key][1:]) for p, key in zip(points, keys))  # min, not median
     gpu = FakeRunner(np.random.default_rng(4))
-    measure_point(gpu, lambda: {"b": 4, "s": 64}, warmup=2, repeats=5, settle=True)
-    assert gpu.calls == [(4, 64, L, 0, 1), (4, 64, L, 1, 5)]  # the GPU path: one measurement, its median
+    _run(gpu, grid, tuple(sizes), memory_limit=None, warmup=2, repeats=4)
+    assert gpu.calls == [c for key in keys for c in ((*key, 0, 1), (*key, 1, 4))]  # GPU: one measurement, its median
 
 
 def test_the_time_budget_counts_warm_measurement_not_the_cold_steps():

@@ -68,8 +68,8 @@ def revisit(runner: Runner, batch_fn: Callable[[int, int], dict], points: list[d
     each point keeps its fastest step (time_ms), counts it in repeats, and its peaks the largest.
 
     How CPU calibration spends its repeats: another process on the cores only ever adds time to a
-    step, and on a busy 2-core machine it does so in episodes of seconds, longer than a point's
-    consecutive repeats (a median of 3 in a row moved with them: with a busy loop per core,
+    step, and on a busy 2-core machine it does so in episodes longer than a point's consecutive
+    repeats (runs of grid points all about 2x slower; a median of 3 in a row moved with them: with a busy loop per core,
     wan21_demo.yaml fitted to 23-27% held out and fell back, benchmarks/results/
     cpu_robustness_median.json). Spread over the sweep and taken at their fastest, a point's steps
     are its own cost, whatever episode the point first fell in."""

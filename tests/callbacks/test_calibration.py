@@ -485,6 +485,28 @@ def test_cuda_verification_runs_with_the_optimizer_state_and_records_reserved_me
     assert all(m.cold_ms > 0 and m.warm_ms > 0 for m in shapes)
 
 
+@pytest.mark.cuda
+def test_cuda_grid_points_record_both_peaks_and_the_memory_model_is_fitted_on_the_larger(tmp_path):
+    torch.manual_seed(0)
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=1, repeats=2,
+                                 cache_path=str(tmp_path / "cache.json"), **PLAN_ANY)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path,
+                        callbacks=[PerBucketCheckpointing(block_classes=[DiTBlock]), calib])
+    trainer.fit(VideoDiTModule(**TWO_BLOCKS), datamodule=PlanningDataModule())
+    ok = [p for p in calib.result.points if p["status"] == "ok"]
+    assert {p["checkpointed"] for p in ok} == {2, 1, 0}  # k = L, L // 2 and the low depth (0 fits a tiny model)
+    assert all(p["reserved_bytes"] >= p["peak_bytes"] > 0 and p["cold_ms"] > 0 for p in ok)
+    held = np.maximum([p["peak_bytes"] for p in ok], [p["reserved_bytes"] for p in ok]).astype(np.float64)
+    b, s, k = (np.array([p[key] for p in ok], dtype=np.float64) for key in ("batch_size", "seq_len", "checkpointed"))
+    ref = MemoryModel.fit(b, s, k, held, 2)
+    memory = calib.result.memory.memory_model
+    state = calib.result.memory.optimizer_memory.state_bytes
+    assert memory.params["m0"] == pytest.approx(ref.params["m0"] + state, rel=1e-9)
+    assert {n: v for n, v in memory.params.items() if n != "m0"} == pytest.approx(
+        {n: v for n, v in ref.params.items() if n != "m0"}, rel=1e-9)
+
+
 class AutocastProbe(VideoDiTModule):
     autocast = []
 

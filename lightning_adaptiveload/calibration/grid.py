@@ -86,15 +86,20 @@ def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed:
     return base + max(per_block_token) * (live(checkpointed) - 1) * b * s
 
 
+def forecast_held_bytes(points: list[dict], b: int, s: int, checkpointed: int, every_block: int) -> float:
+    """The larger of the two forecasts of (b, s) at depth `checkpointed` (bytes): in B at that depth
+    (`predicted_peak_bytes`) and across depths from `every_block` (`predicted_depth_peak_bytes`)."""
+    return max(predicted_peak_bytes(points, b, s, checkpointed),
+               predicted_depth_peak_bytes(points, b, s, checkpointed, every_block))
+
+
 def lowest_fitting_depth(points: list[dict], b: int, s: int, every_block: int, below: int,
                          memory_limit: float | None) -> int | None:
-    """The smallest depth k in [0, below) whose held memory at (b, s), forecast both ways
-    (`predicted_peak_bytes` in B at that depth, `predicted_depth_peak_bytes` across depths), is within
+    """The smallest depth k in [0, below) whose `forecast_held_bytes` at (b, s) is within
     `memory_limit` bytes (None: no limit, k = 0); None when no such k. The plan picks k = 0 for most
     buckets that fit, so calibration measures there too: the memory and time models then interpolate
     the depths the plan uses instead of extrapolating below the grid's depths."""
     for k in range(below):
-        if memory_limit is None or max(predicted_peak_bytes(points, b, s, k),
-                                       predicted_depth_peak_bytes(points, b, s, k, every_block)) <= memory_limit:
+        if memory_limit is None or forecast_held_bytes(points, b, s, k, every_block) <= memory_limit:
             return k
     return None

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import ContextManager
 
 from lightning_adaptiveload.calibration.config import LONG_STEP_MS
-from lightning_adaptiveload.calibration.grid import (lowest_fitting_depth, predicted_depth_peak_bytes,
-                                                     predicted_peak_bytes, required_points)
+from lightning_adaptiveload.calibration.grid import (forecast_held_bytes, lowest_fitting_depth, predicted_peak_bytes,
+                                                     required_points)
 from lightning_adaptiveload.calibration.protocols import Runner
 
 INFEASIBLE_STATUSES = ("oom", "predicted_oom", "skipped_oom")
@@ -120,15 +120,11 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
         with checkpointing(k) if checkpointing is not None else contextlib.nullcontext():
             return measure_point(runner, lambda: batch_fn(s, b), warmup, 1 if spread else repeats, settle)
 
-    def forecast_over(b: int, s: int, k: int) -> bool:
-        return memory_limit is not None and max(predicted_peak_bytes(points, b, s, k),
-                                                predicted_depth_peak_bytes(points, b, s, k, every_block)) > memory_limit
-
     def deeper(i: int, b: int, s: int, k: int) -> dict:
         point = {"batch_size": b, "seq_len": s, "checkpointed": k}
         if dominated(points, b, s, k):
             point["status"] = "skipped_oom"
-        elif forecast_over(b, s, k):
+        elif memory_limit is not None and forecast_held_bytes(points, b, s, k, every_block) > memory_limit:
             point["status"] = "predicted_oom"
         else:
             point.update(measure(b, s, k, settle=False))

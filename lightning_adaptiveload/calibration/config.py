@@ -18,6 +18,11 @@ DEFAULT_MAX_MEMORY_HELDOUT_ERROR = 0.10
 # Spearman rank correlation of time with tokens B*S below which times "do not grow": a launch-bound
 # model on a noisy CPU measures ~0.5, constant or falling times ~0 or below.
 DEFAULT_MIN_WORK_CORRELATION = 0.2
+# The long-step rule (calibration/sweep.py, measure_point): a grid point whose first (cold) step takes
+# this long or longer is timed on one warm step, without more warm-up. What varies between warm steps
+# (launch latency, clock and allocator jitter: milliseconds) is small against seconds, while each
+# extra warm-up or repeat costs seconds per point (the 1.3B model's long buckets on an H200).
+LONG_STEP_MS = 2000.0
 
 
 @dataclass(frozen=True)
@@ -31,11 +36,14 @@ class CalibrationConfig:
     max_tokens: int | None = None
     """Skip grid points with B*S above this (tokens); None probes until out of memory."""
     warmup: int = 1
-    """Untimed steps per grid point before the timed ones."""
+    """Untimed steps per grid point before the timed ones, the first (cold) one included; a point
+    whose cold step takes LONG_STEP_MS or more gets no more warm-up (the long-step rule)."""
     repeats: int = 3
-    """Timed steps per grid point; the median counts."""
+    """Timed steps per grid point; the median counts. Under the long-step rule: 1."""
     time_budget_s: float = 180.0
-    """Seconds for the optional grid points, counted after the required ones (calibration.grid)."""
+    """Seconds of warm measurement for the optional grid points, counted after the required ones
+    (calibration.grid); the points' first (cold) steps, a compiled model's compilation of each new
+    shape, do not count."""
     m_mem: int | None = None
     """M_mem (tokens per batch) to hand to the DataModule instead of the measured one."""
     memory_margin: float = 0.9

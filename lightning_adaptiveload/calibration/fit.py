@@ -19,6 +19,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from lightning_adaptiveload.calibration.config import DEFAULT_MIN_WORK_CORRELATION
+from lightning_adaptiveload.calibration.grid import point_held_bytes
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
@@ -63,22 +64,25 @@ def fit_memory_models(points: list[dict], num_blocks: int, base: CostModel, extr
     """(memory model, time model, None), or (None, None, why not); never raises (rank 0 fits).
 
     points: the calibration points (those with status "ok" are used), each with "checkpointed" (k);
+    the memory model is fitted on what each step held from the device, max(allocated, reserved)
+    (grid.point_held_bytes, verification's measure of a shape's memory), so the plan budgets the
+    quantity verification judges, the allocator's fragmentation included as measured per point;
     base: the trusted CostModel of the points at k = num_blocks, around which the time model is
     built; extra_bytes: memory every training step holds that calibration's steps do not (the
     optimizer state, calibration/memory.py), added to the memory model's m0. verified: shapes
     verification ran (calibration/verify.py) with a peak, under training's memory conditions: their
-    peaks, less extra_bytes, and warm times join the points, so a refit sees the depths and batch
-    sizes the plan chose. The memory model's quality describes the peaks it was fitted to (without
+    held memory (MeasuredShape.used_bytes), less extra_bytes, and warm times join the points, so a
+    refit sees the depths and batch sizes the plan chose. The memory model's quality describes the held bytes it was fitted to (without
     extra_bytes); a held-out mean relative error above `max_heldout_error` (the memory model's own
     threshold) is refused."""
-    ok = [p for p in points if p["status"] == "ok"]
+    ok = [{**p, "held_bytes": point_held_bytes(p)} for p in points if p["status"] == "ok"]
     ok += [{"batch_size": m.batch_size, "seq_len": m.seq_len, "checkpointed": m.checkpointed,
-            "time_ms": m.warm_ms, "peak_bytes": m.peak_bytes - extra_bytes} for m in verified
-           if m.peak_bytes is not None and m.checkpointed is not None and m.peak_bytes > extra_bytes]
+            "time_ms": m.warm_ms, "held_bytes": m.used_bytes - extra_bytes} for m in verified
+           if m.used_bytes is not None and m.checkpointed is not None and m.used_bytes > extra_bytes]
     try:
-        b, s, k, t, peak = (np.array([p[key] for p in ok], dtype=np.float64)
-                            for key in ("batch_size", "seq_len", "checkpointed", "time_ms", "peak_bytes"))
-        memory = MemoryModel.fit(b, s, k, peak, num_blocks)
+        b, s, k, t, held = (np.array([p[key] for p in ok], dtype=np.float64)
+                            for key in ("batch_size", "seq_len", "checkpointed", "time_ms", "held_bytes"))
+        memory = MemoryModel.fit(b, s, k, held, num_blocks)
         memory = MemoryModel(memory.form, {**memory.params, "m0": memory.params["m0"] + float(extra_bytes)},
                              num_blocks, memory.quality)
         time_model = DepthCostModel.fit(b, s, k, t, num_blocks, base=base)

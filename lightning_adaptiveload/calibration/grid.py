@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lightning_adaptiveload.scheduling.verification import held_bytes
+
 # Points the fit cannot do without: "floor_work", the richest form, has 5 parameters and needs
 # 2 more points than parameters for its held-out error (CostModel.fit).
 MIN_FIT_POINTS = 7
@@ -45,11 +47,18 @@ def calibration_grid(seq_lens: list[int], batch_sizes: list[int], max_tokens: in
     return required + sorted(rest, key=lambda p: (p[0] * p[1], p[1]))
 
 
+def point_held_bytes(point: dict) -> float:
+    """The memory (bytes) a measured point's steps held: `held_bytes` of its allocated peak
+    ("peak_bytes") and its reserved peak ("reserved_bytes", absent in hand-made points: unknown).
+    What a memory budget bounds, so what the memory model is fitted to and the forecasts use."""
+    return held_bytes(point["peak_bytes"], point.get("reserved_bytes"))
+
+
 def predicted_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int | None = None) -> float:
-    """Peak memory (bytes) of (b, s) extrapolated linearly in B through the two largest measured
-    batch sizes at the same S and checkpointing depth (points without "checkpointed" count as None);
-    0 when fewer than two were measured (nothing to extrapolate)."""
-    same_s = sorted((p["batch_size"], p["peak_bytes"]) for p in points
+    """Held memory (bytes, `point_held_bytes`) of (b, s) extrapolated linearly in B through the two
+    largest measured batch sizes at the same S and checkpointing depth (points without
+    "checkpointed" count as None); 0 when fewer than two were measured (nothing to extrapolate)."""
+    same_s = sorted((p["batch_size"], point_held_bytes(p)) for p in points
                     if p["seq_len"] == s and p["status"] == "ok" and p.get("checkpointed") == checkpointed)
     if len(same_s) < 2:
         return 0.0
@@ -58,15 +67,39 @@ def predicted_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int |
 
 
 def predicted_depth_peak_bytes(points: list[dict], b: int, s: int, checkpointed: int, every_block: int) -> float:
-    """Peak memory (bytes) of (b, s) at depth `checkpointed`: its measured peak at depth `every_block` plus
-    B*S times the largest extra bytes per token that the un-checkpointed blocks took in the pairs
-    measured at both depths so far (memory beyond a checkpointed block's input grows with the
-    tokens); 0 when no pair or no measurement at `every_block` exists yet."""
-    peaks = {(p["batch_size"], p["seq_len"], p.get("checkpointed")): p["peak_bytes"] for p in points
-             if p["status"] == "ok"}
-    base = peaks.get((b, s, every_block))
-    per_token = [(peak - peaks[(pb, ps, every_block)]) / (pb * ps) for (pb, ps, k), peak in peaks.items()
-                 if k == checkpointed and (pb, ps, every_block) in peaks]
-    if base is None or not per_token:
+    """Held memory (bytes) of (b, s) at depth `checkpointed` (k): its measured held memory at depth
+    `every_block` (L) plus B*S times the largest extra bytes per token per extra live block of the pairs
+    measured at L and at some k' < L - 1 so far. As in the memory model (docs/memory.md), n(k) =
+    max(L - k, 1) blocks' activations are live at the peak (k = L - 1 peaks as k = L does), and each
+    live block's grow with the tokens; 0 when no pair or no measurement at `every_block` exists yet."""
+    def live(k: int) -> int:
+        return max(every_block - k, 1)
+
+    held = {(p["batch_size"], p["seq_len"], p.get("checkpointed")): point_held_bytes(p) for p in points
+            if p["status"] == "ok"}
+    base = held.get((b, s, every_block))
+    per_block_token = [(peak - held[(pb, ps, every_block)]) / ((live(k) - 1) * pb * ps)
+                       for (pb, ps, k), peak in held.items()
+                       if k is not None and live(k) > 1 and (pb, ps, every_block) in held]
+    if base is None or not per_block_token:
         return 0.0
-    return base + max(per_token) * b * s
+    return base + max(per_block_token) * (live(checkpointed) - 1) * b * s
+
+
+def forecast_held_bytes(points: list[dict], b: int, s: int, checkpointed: int, every_block: int) -> float:
+    """The larger of the two forecasts of (b, s) at depth `checkpointed` (bytes): in B at that depth
+    (`predicted_peak_bytes`) and across depths from `every_block` (`predicted_depth_peak_bytes`)."""
+    return max(predicted_peak_bytes(points, b, s, checkpointed),
+               predicted_depth_peak_bytes(points, b, s, checkpointed, every_block))
+
+
+def lowest_fitting_depth(points: list[dict], b: int, s: int, every_block: int, below: int,
+                         memory_limit: float | None) -> int | None:
+    """The smallest depth k in [0, below) whose `forecast_held_bytes` at (b, s) is within
+    `memory_limit` bytes (None: no limit, k = 0); None when no such k. The plan picks k = 0 for most
+    buckets that fit, so calibration measures there too: the memory and time models then interpolate
+    the depths the plan uses instead of extrapolating below the grid's depths."""
+    for k in range(below):
+        if memory_limit is None or forecast_held_bytes(points, b, s, k, every_block) <= memory_limit:
+            return k
+    return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,8 +45,35 @@ from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.verification import Verification
 
+CPU_MEASUREMENT_THREADS = 1  # intra-op threads while calibration measures on CPU (measurement_threads)
 FALLBACK_POLICY = "token_equal"  # what trains when the cost model cannot be trusted
 REMEASURE_REPEATS = 3  # a distrusted fit is measured once more with this many times the repeats
+
+
+@contextlib.contextmanager
+def measurement_threads(device: torch.device, info: Callable[[str], None] = print) -> Iterator[None]:
+    """Inside, a CPU device's steps run on CPU_MEASUREMENT_THREADS intra-op threads
+    (torch.set_num_threads), restored on exit; a CUDA device is left alone.
+
+    Why: on a machine whose cores other processes share, an op split over every core waits for
+    its slowest thread, and which thread is preempted changes from step to step: with 2 threads on a
+    busy 2-core machine the demo's times scattered so much that its fit was distrusted in 3 of 3 fresh
+    runs, and with one thread it was trusted at once (issue 28). Every measurement of the loop (the
+    grid and verification) runs so, so the models and the measured times priced together agree with
+    each other. Training then runs at the machine's thread count: its step times are shorter than
+    the measured ones, and the plan balances their ratios, which the thread count changes less."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    if threads != CPU_MEASUREMENT_THREADS:
+        info(f"CostModelCalibration: measuring with {CPU_MEASUREMENT_THREADS} intra-op thread(s) on CPU "
+             f"(training runs with {threads})")
+    torch.set_num_threads(CPU_MEASUREMENT_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_datamodule(datamodule: object) -> None:
@@ -84,9 +111,14 @@ class Calibration:
         self.device_bytes: int | None = None  # the smallest rank's device memory (run() measures it)
         self.memory: MemoryPlanResult | None = None  # the memory plan's part as it stands (refits update it)
         self.cached_verification: dict | None = None  # the "verification" of a cache this run reuses
+        self.cold_s = 0.0  # seconds of the grid points' first (cold) steps, over every sweep run
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
+        with measurement_threads(self.runner.device, self.info):
+            return self._run(grid, compiled, recompile_limit)
+
+    def _run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
         start = time.perf_counter()
         config = self.config
         # one number on every rank: the sweep's limit and verification's budget decide collectively
@@ -120,7 +152,8 @@ class Calibration:
         return CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
                                  m_mem=m_mem, memory=self.memory, verification=outcome,
                                  optimizer_state=state, calibration_s=calibration_s,
-                                 verify_s=time.perf_counter() - verify_start, compiled_regions=tuple(compiled),
+                                 verify_s=time.perf_counter() - verify_start, cold_s=self.cold_s,
+                                 compiled_regions=tuple(compiled),
                                  recompile_limit=recompile_limit)
 
     # ---- 1. measure -----------------------------------------------------------------------------
@@ -140,12 +173,14 @@ class Calibration:
 
     def _sweep(self, grid: list[tuple[int, int]], repeats: int) -> list[dict]:
         config, switch = self.config, self.switch
-        return sweep(self.runner, lambda s, b: self.datamodule.synthetic_batch(s, b), grid,
-                     batch_sizes=config.batch_sizes, max_tokens=config.max_tokens, warmup=config.warmup,
-                     repeats=repeats, time_budget_s=config.time_budget_s,
-                     memory_limit=config.max_memory_fraction * self.device_bytes,
-                     checkpointed=self.grid_checkpointed,
-                     checkpointing=None if switch is None else switch.checkpointing, progress=self.info)
+        points = sweep(self.runner, lambda s, b: self.datamodule.synthetic_batch(s, b), grid,
+                       batch_sizes=config.batch_sizes, max_tokens=config.max_tokens, warmup=config.warmup,
+                       repeats=repeats, time_budget_s=config.time_budget_s,
+                       memory_limit=config.max_memory_fraction * self.device_bytes,
+                       checkpointed=self.grid_checkpointed,
+                       checkpointing=None if switch is None else switch.checkpointing, progress=self.info)
+        self.cold_s += sum(p.get("cold_ms", 0.0) for p in points) / 1e3
+        return points
 
     def _memory_terms(self) -> tuple[OptimizerMemory, int]:
         """The optimizer memory (the largest of the ranks', calibration/memory.py) and the device
@@ -259,7 +294,8 @@ class Calibration:
         elif outcome.settled:
             self.warn(f"CostModelCalibration: {len(outcome.settled)} bucket(s) still did not fit after "
                       f"{self.config.verify_rounds} re-plans and were settled on their safest measured batch "
-                      f"({', '.join(map(str, outcome.settled))} tokens); nothing is cached")
+                      f"({', '.join(map(str, outcome.settled))} tokens); a trusted fit is cached with this settled plan: a "
+                      f"later run checks each of its shapes once")
         return outcome, state
 
     def _prior(self, budget: float) -> tuple[Verification | None, bool]:
@@ -386,8 +422,9 @@ def grid_and_recompile_room(config: CalibrationConfig, datamodule, pl_module: to
     compiled = compiled_submodules(pl_module)
     if not compiled:
         return grid, compiled, None
-    depth_points = len(required_points(seq_lens, list(config.batch_sizes), config.max_tokens)) if depths else 0
-    # a compiled block traces the checkpointing switch: the second depth's points compile again. The
+    # the required points run again at two more depths (sweep.sweep)
+    depth_points = 2 * len(required_points(seq_lens, list(config.batch_sizes), config.max_tokens)) if depths else 0
+    # a compiled block traces the checkpointing switch: the other depths' points compile again. The
     # schedule is not known before the fit: a bucket runs its full batch and one smaller one (its
     # remainder), and each re-plan of verification may try one more full batch, plus its safest one.
     shapes = 2 * len(datamodule.bucket_seq_lens()) * (config.verify_rounds + 2)

@@ -1,9 +1,11 @@
 """The calibration record: `calibration.json` in the log dir and the cache it is reused from.
 
 The cache key says what decides a step's cost beyond the batch shape (model fingerprint, strategy,
-precision, world size, device, grid, repeats); a cached record is reused only under an equal key,
-only when its fit was trusted (fit.py), and is re-validated field by field on read: a stale or
-foreign cache never stops training, it is measured again.
+precision, world size, device, grid, depths, warm-up and repeats, the batches' text shape, gradient
+accumulation, the torch version, and on CPU the intra-op threads; callbacks/calibration.py); a cached
+record is reused only under an equal key, only when its fit was trusted (fit.py) and its
+verification left no bucket unresolved (result.py, `cacheable`), and is re-validated field by field
+on read: a stale or foreign cache never stops training, it is measured again.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import torch
 from lightning_adaptiveload._validation import is_positive_number
 
 FORMAT = "adaptiveload.calibration"
-VERSION = 4  # 4: "verification" (the shapes run before training) replaces "warmed_shapes"; 3: every point has
+VERSION = 5  # 5: every measured point has "reserved_bytes" and "cold_ms", the memory model is fitted on held
+# bytes, the required points run at a third, low depth, and the key names the data and the CPU threads;
+# 4: "verification" (the shapes run before training) replaces "warmed_shapes"; 3: every point has
 # "checkpointed" (k, or null without PerBucketCheckpointing)
 # ok: measured; oom: out of memory on some rank; predicted_oom: not run (CUDA memory forecast);
 # skipped_oom: a point no larger in B and S did not fit; skipped_budget: time budget spent.
@@ -66,6 +70,7 @@ def read_cache(path: Path, key: dict) -> dict | None:
                 and p.get("status") in STATUSES and "checkpointed" in p
                 and (p["checkpointed"] is None or isinstance(p["checkpointed"], int))):
             return None
-        if p["status"] == "ok" and not (is_positive_number(p.get("time_ms")) and isinstance(p.get("peak_bytes"), int)):
+        if p["status"] == "ok" and not (is_positive_number(p.get("time_ms")) and is_positive_number(p.get("cold_ms"))
+                                        and all(isinstance(p.get(k), int) for k in ("peak_bytes", "reserved_bytes"))):
             return None
     return doc

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from lightning_adaptiveload._environment import ALLOCATOR_VARIABLES
+from lightning_adaptiveload.calibration.grid import point_held_bytes
 from lightning_adaptiveload.calibration.record import FORMAT, INFEASIBLE, VERSION
 from lightning_adaptiveload.calibration.result import CalibrationResult, Source
 from lightning_adaptiveload.calibration.plot import plot_fit
@@ -30,13 +31,16 @@ def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
         "allocator": {name: os.environ[name] for name in ALLOCATOR_VARIABLES if name in os.environ},
         "seconds": round(result.calibration_s, 3),
+        # of "seconds": the grid points' first steps (a compiled model's compilation of each new shape)
+        "cold_seconds": round(result.cold_s, 3),
         "source": result.source.value,
         "trusted": result.trusted,
         "distrust_reasons": list(result.distrust_reasons),
         "policy": policy,
         "m_mem": result.m_mem,
-        "peak_unit": ("bytes saved for backward (CPU estimate)" if key["device"] == "cpu"
-                      else "bytes (CUDA max_memory_allocated)"),
+        "peak_unit": ("bytes saved for backward (CPU estimate; peak_bytes = reserved_bytes)" if key["device"] == "cpu"
+                      else "bytes: peak_bytes CUDA max_memory_allocated, reserved_bytes max_memory_reserved; the "
+                           "memory model is fitted on the larger of the two (held)"),
         "cost_model": None if cost_model is None else cost_model.to_dict(),
         # `measurements` holds the feasible points the cost model is fitted to (every block
         # checkpointed), in the format cost_model.load_cost_model reads
@@ -101,7 +105,8 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
     memory = result.memory
     depth_model = None if memory is None else memory.depth_cost_model
     every_block = doc["depths"][0] if doc["depths"] else None
-    lines = [f"{'S':>8} {'B':>5} {'k':>4} {'time ms':>10} {'pred ms':>10} {'peak MiB':>10}  status"]
+    lines = [f"{'S':>8} {'B':>5} {'k':>4} {'time ms':>10} {'pred ms':>10} {'cold ms':>10} {'alloc MiB':>10} "
+             f"{'held MiB':>10}  status"]
     for p in result.points:
         ok = p["status"] == "ok"
         k = p.get("checkpointed")
@@ -111,8 +116,9 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
         elif ok and cost_model is not None and k == every_block:
             predicted = f"{cost_model.predict(p['batch_size'], p['seq_len']):>10.2f}"
         lines.append(f"{p['seq_len']:>8} {p['batch_size']:>5} {'-' if k is None else k:>4} "
-                     + (f"{p['time_ms']:>10.2f} {predicted} {p['peak_bytes'] / 2**20:>10.1f}" if ok
-                        else f"{'':>10} {'':>10} {'':>10}")
+                     + (f"{p['time_ms']:>10.2f} {predicted} {p.get('cold_ms', math.nan):>10.1f} "
+                        f"{p['peak_bytes'] / 2**20:>10.1f} {point_held_bytes(p) / 2**20:>10.1f}" if ok
+                        else f"{'':>10} {'':>10} {'':>10} {'':>10} {'':>10}")
                      + f"  {p['status']}")
     source = {Source.CACHE: " (from cache)", Source.CHECKPOINT: " (from checkpoint)", Source.GIVEN: " (given)"}.get(
         result.source, "")
@@ -125,15 +131,38 @@ def format_report(result: CalibrationResult, doc: dict, longest: int) -> str:
     if memory is not None and memory.memory_model is not None:
         q = memory.memory_model.quality
         lines.append(f"memory model {memory.memory_model!r}; held-out mean {q['heldout_mean_rel_err']:.1%}, max "
-                     f"{q['heldout_max_rel_err']:.1%}; " + ("used" if memory.used else "NOT used: "
-                                                             + "; ".join(memory.distrust_reasons)))
+                     f"{q['heldout_max_rel_err']:.1%} {memory_coverage(result)}; "
+                     + ("used" if memory.used else "NOT used: " + "; ".join(memory.distrust_reasons)))
     lines.append(f"M_mem = {result.m_mem or 'kept from the DataModule'}"
                  + (f", M_comp = {cost_model.m_comp(result.m_mem, longest):.4g} (ref S = {longest})"
                     if result.m_mem and result.trusted else "")
-                 + f"; policy {doc['policy']}; {doc['seconds']:.1f} s{source}")
+                 + f"; policy {doc['policy']}; {doc['seconds']:.1f} s{source}"
+                 + (f", {doc['cold_seconds']:.1f} s of it in first (cold) steps" if doc["cold_seconds"] else ""))
     if result.verification is not None:
         lines.append(format_verification(result))
     return "\n".join(lines)
+
+
+def memory_coverage(result: CalibrationResult) -> str:
+    """Where the memory model's held-out error holds: "(interpolated ...)" when every shape the plan
+    verified lies within the measured depths and tokens (k no smaller, B*S no larger than a measured
+    point's), "(EXTRAPOLATED ...)" naming how far the others lie outside; without a verification only
+    the measured range. The held-out error is measured on the grid's points: outside them the
+    model's error is unknown."""
+    ok = [p for p in result.points if p["status"] == "ok" and p.get("checkpointed") is not None]
+    if not ok:
+        return "(no measured depths)"
+    k_min, tokens_max = min(p["checkpointed"] for p in ok), max(p["batch_size"] * p["seq_len"] for p in ok)
+    measured = f"measured k >= {k_min}, B*S <= {tokens_max}"
+    if result.verification is None:
+        return f"({measured})"
+    shapes = [m for m in result.verification.verification.shapes if m.checkpointed is not None]
+    outside = [m for m in shapes if m.checkpointed < k_min or m.batch_size * m.seq_len > tokens_max]
+    if not outside:
+        return f"(interpolated: the {len(shapes)} planned shape(s) lie within the {measured})"
+    return (f"(EXTRAPOLATED for {len(outside)} of {len(shapes)} planned shape(s): k down to "
+            f"{min(m.checkpointed for m in outside)}, B*S up to {max(m.batch_size * m.seq_len for m in outside)}; "
+            f"{measured})")
 
 
 def format_verification(result: CalibrationResult) -> str:
@@ -159,7 +188,8 @@ def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:
     cost_model = result.cost_model
     out = {"calibration/points": float(len(doc["measurements"])),
            "calibration/infeasible": float(sum(p["status"] in INFEASIBLE for p in result.points)),
-           "calibration/seconds": doc["seconds"], "calibration/trusted": float(result.trusted),
+           "calibration/seconds": doc["seconds"], "calibration/cold_seconds": doc["cold_seconds"],
+           "calibration/trusted": float(result.trusted),
            "calibration/from_cache": float(result.source is Source.CACHE),
            "calibration/verify_seconds": doc["verify_seconds"]}
     if result.verification is not None:

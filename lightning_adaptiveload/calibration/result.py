@@ -47,7 +47,9 @@ class CalibrationResult:
     (measured, or given as CalibrationConfig.m_mem; None: the DataModule keeps its own); memory: the
     memory plan's part (None without PerBucketCheckpointing); verification: the verification loop's
     outcome (None when it did not run) and optimizer_state what its optimizer step measured;
-    calibration_s, verify_s: wall seconds of the two parts; compiled_regions, recompile_limit: the
+    calibration_s, verify_s: wall seconds of the two parts; cold_s: the part of calibration_s spent in
+    the grid points' first (cold) steps, a compiled model's compilation of each new shape (the
+    measurements of every sweep run, a re-measurement's too; 0 when nothing was measured); compiled_regions, recompile_limit: the
     compiled submodules found and dynamo's limit set for them (None: not compiled)."""
 
     source: Source
@@ -60,6 +62,7 @@ class CalibrationResult:
     optimizer_state: MaterializedState | None = None
     calibration_s: float = 0.0
     verify_s: float = 0.0
+    cold_s: float = 0.0
     compiled_regions: tuple[str, ...] = field(default_factory=tuple)
     recompile_limit: int | None = None
 
@@ -74,7 +77,9 @@ class CalibrationResult:
     @property
     def cacheable(self) -> bool:
         """Whether the record may be cached for later runs: measured now, trusted, and (where it ran)
-        verified without a bucket left unresolved or settled on a fallback; a plan that failed
-        verification is never reused."""
-        verified = self.verification is None or (self.verification.converged and not self.verification.unresolved)
+        verified without a bucket left unresolved. A plan verification settled (a bucket pinned on its
+        safest batch measured to fit after the last re-plan) is cached with its verification: every
+        pinned shape was measured to fit, so a later run checks each once (loop.Calibration._prior)
+        instead of running every round again. A plan with an unresolved bucket is never reused."""
+        verified = self.verification is None or not self.verification.unresolved
         return self.source.measured and self.trusted and verified

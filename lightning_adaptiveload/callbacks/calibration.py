@@ -130,10 +130,19 @@ class CostModelCalibration(Callback):
                                                    DepthCostModel.from_dict(depth_model, f"{where}: depth_cost_model"))}
 
 
+DATA_KEYS = ("latent_channels", "text_len", "text_dim")  # DataModule attributes that shape every batch
+
+
 def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckpointing | None,
          config: CalibrationConfig) -> dict:
-    """What decides the grid's step costs beyond the batch shape (calibration/record.py)."""
+    """What decides the grid's step costs beyond the batch shape (calibration/record.py): the model,
+    the strategy, precision, world size and device, the grid, its depths and steps per point, what
+    every batch holds beside the latents (the DataModule's latent channels and text (L, D), None where
+    it has no such attribute: a text context of another length changes every cross-attention), the
+    gradient accumulation (training holds the accumulated gradients while later batches run), the
+    torch version (its kernels and allocator), and on CPU the intra-op threads training runs with."""
     device = trainer.strategy.root_device
+    datamodule = trainer.datamodule
     return {
         "model": model_fingerprint(pl_module),
         "strategy": type(trainer.strategy).__name__,
@@ -144,6 +153,10 @@ def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckp
         "depths": None if switch is None else [switch.num_blocks, switch.num_blocks // 2],
         "warmup": config.warmup,
         "repeats": config.repeats,
+        "data": {name: getattr(datamodule, name, None) for name in DATA_KEYS},
+        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
     }
 
 

@@ -208,6 +208,62 @@ def test_cache_reuse_skips_the_benchmark_and_a_changed_model_does_not(tmp_path):
     assert third.result.source == "measured"
 
 
+class TextDataModule(GridDataModule):
+    """GridDataModule with the text shape attributes AdaptiveLoadDataModule has."""
+
+    def __init__(self, text_len=3, text_dim=16):
+        super().__init__()
+        self.text_len, self.text_dim = text_len, text_dim
+
+
+class ThreadProbeModule(VideoDiTModule):
+    """Records torch's intra-op thread count at every step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.threads = []
+
+    def training_step(self, batch, batch_idx):
+        self.threads.append(torch.get_num_threads())
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_cache_key_names_the_text_shape_accumulation_torch_and_cpu_threads(tmp_path):
+    cache = tmp_path / "cache.json"
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(cache), verify=False,
+                  **TRUST_ANY)
+
+    def source(run, dm, threads=1, **trainer_kwargs):
+        calib = CostModelCalibration(**kwargs)
+        torch.set_num_threads(threads)  # the one_thread fixture restores the count after the test
+        _fit_dm(tmp_path / run, VideoDiTModule(**TINY), [calib], dm, **trainer_kwargs)
+        return calib.result.source
+
+    assert source("a", TextDataModule()) == "measured"
+    key = json.loads(cache.read_text())["key"]
+    assert key["data"] == {"latent_channels": None, "text_len": 3, "text_dim": 16}
+    assert key["accumulate_grad_batches"] == 1 and key["torch"] == torch.__version__ and key["cpu_threads"] == 1
+    assert source("b", TextDataModule()) == "cache"
+    # each change measures again (and, trusted, replaces the cache with its own key)
+    assert source("c", TextDataModule(text_len=5)) == "measured"
+    assert source("d", TextDataModule(text_len=5, text_dim=8)) == "measured"
+    assert source("e", TextDataModule(text_len=5, text_dim=8), accumulate_grad_batches=2) == "measured"
+    assert source("f", TextDataModule(text_len=5, text_dim=8), threads=2, accumulate_grad_batches=2) == "measured"
+    assert json.loads(cache.read_text())["key"]["cpu_threads"] == 2
+    assert source("g", TextDataModule(text_len=5, text_dim=8), threads=2, accumulate_grad_batches=2) == "cache"
+
+
+def test_cpu_calibration_steps_run_on_one_thread_and_training_on_the_runs_count(tmp_path):
+    module = ThreadProbeModule(**TINY)
+    calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+    torch.set_num_threads(2)  # the one_thread fixture restores the count after the test
+    _fit_dm(tmp_path, module, [calib], ShapesDataModule(), max_steps=2)
+    # every step but training's two ran on one thread (the grid and verification), then the count came back
+    assert len(module.threads) > 2 and module.threads[:-2] == [1] * (len(module.threads) - 2)
+    assert module.threads[-2:] == [2, 2] and torch.get_num_threads() == 2
+
+
 def test_fingerprint_sees_activation_checkpointing_and_instance_forward_patches():
     # Both change the step's time and memory without touching a parameter: a cached calibration of
     # the plain model must not be reused for them.
@@ -368,7 +424,9 @@ def test_time_budget_skips_optional_points_but_never_the_required_ones(tmp_path)
     status = {(p["batch_size"], p["seq_len"]): p["status"] for p in calib.result.points}
     assert len(status) == 9 and len(required) == MIN_FIT_POINTS
     assert all(status[p] == "ok" for p in required)
-    assert all(st == "skipped_budget" for p, st in status.items() if p not in required)
+    # the budget counts the optional points' own warm time: the first starts with none spent, the rest not
+    optional = [(p["batch_size"], p["seq_len"]) for p in calib.result.points if (p["batch_size"], p["seq_len"]) not in required]
+    assert [status[p] for p in optional] == ["ok"] + ["skipped_budget"] * (len(optional) - 1)
     assert calib.result.cost_model is not None  # the fit had what it needs
 
 
@@ -425,6 +483,28 @@ def test_cuda_verification_runs_with_the_optimizer_state_and_records_reserved_me
     # every verified step held the optimizer state; the allocator reserved at least what it allocated
     assert all(m.peak_bytes >= 3 * param_bytes and m.reserved_bytes >= m.peak_bytes for m in shapes)
     assert all(m.cold_ms > 0 and m.warm_ms > 0 for m in shapes)
+
+
+@pytest.mark.cuda
+def test_cuda_grid_points_record_both_peaks_and_the_memory_model_is_fitted_on_the_larger(tmp_path):
+    torch.manual_seed(0)
+    calib = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=1, repeats=2,
+                                 cache_path=str(tmp_path / "cache.json"), **PLAN_ANY)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, default_root_dir=tmp_path,
+                        callbacks=[PerBucketCheckpointing(block_classes=[DiTBlock]), calib])
+    trainer.fit(VideoDiTModule(**TWO_BLOCKS), datamodule=PlanningDataModule())
+    ok = [p for p in calib.result.points if p["status"] == "ok"]
+    assert {p["checkpointed"] for p in ok} == {2, 1, 0}  # k = L, L // 2 and the low depth (0 fits a tiny model)
+    assert all(p["reserved_bytes"] >= p["peak_bytes"] > 0 and p["cold_ms"] > 0 for p in ok)
+    held = np.maximum([p["peak_bytes"] for p in ok], [p["reserved_bytes"] for p in ok]).astype(np.float64)
+    b, s, k = (np.array([p[key] for p in ok], dtype=np.float64) for key in ("batch_size", "seq_len", "checkpointed"))
+    ref = MemoryModel.fit(b, s, k, held, 2)
+    memory = calib.result.memory.memory_model
+    state = calib.result.memory.optimizer_memory.state_bytes
+    assert memory.params["m0"] == pytest.approx(ref.params["m0"] + state, rel=1e-9)
+    assert {n: v for n, v in memory.params.items() if n != "m0"} == pytest.approx(
+        {n: v for n, v in ref.params.items() if n != "m0"}, rel=1e-9)
 
 
 class AutocastProbe(VideoDiTModule):
@@ -779,6 +859,12 @@ def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_
     # out rather than built by required_points, which the callback calls
     required = [(1, 16), (1, 64), (1, 96), (2, 16), (4, 16), (2, 64), (4, 64)]
     assert [(p["batch_size"], p["seq_len"]) for p in half] == required  # the points the fit needs, again at k = 1
+    # and at the lowest depth predicted to fit, k = 0 on this device (8 GiB, peaks of kilobytes): where the plan
+    # picks most buckets' depth, interpolated rather than extrapolated
+    low = [p for p in calib.result.points if p["checkpointed"] == 0]
+    assert [(p["batch_size"], p["seq_len"]) for p in low] == required
+    order = [(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.result.points]
+    assert all(order.index((b, s, 2)) + 1 == order.index((b, s, 1)) == order.index((b, s, 0)) - 1 for b, s in required)
     # each point ran at its depth: every step of the grid recorded (B, S, k) of a recorded point
     recorded = {(p["batch_size"], p["seq_len"], p["checkpointed"]) for p in calib.result.points}
     assert set(module.steps[:-1]) == recorded  # (the last step is training's)

@@ -69,3 +69,26 @@ def test_smoke_run_reports_what_the_formulas_give(tmp_path):
         assert r["utilisation"] == pytest.approx(flops["total"] / (r["ms"] * 1e-3) / (m["tflops"] * 1e12))
     assert step["checkpointed"] == c["num_layers"]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_step_the_budget_cannot_hold_is_skipped_and_recorded():
+    """Past the deadline the first backend still runs (nothing is known of its step time yet); the next is
+    skipped with the reason, at the time the first one's steps took."""
+    import argparse
+    import time
+
+    import torch
+
+    from examples.video_dit.model import DiTConfig, VideoDiT
+
+    smoke = attention_benchmark.SMOKE
+    config = DiTConfig(**smoke["config"])
+    model = VideoDiT(config)
+    latent = smoke["step_latent"]
+    calls = attention_benchmark.record(model, config, smoke["text_len"], 1, latent, torch.device("cpu"))
+    args = argparse.Namespace(checkpointed=1, step_warmup=0, step_repeats=1)
+    _, rows = attention_benchmark.step_rows(model, config, args, smoke, calls, ["flash", "math"], 1.0,
+                                            torch.device("cpu"), deadline=time.perf_counter())
+    assert rows[0]["backend"] == "flash" and rows[0]["ms"] > 0 and rows[0]["error"] is None
+    assert rows[1]["backend"] == "math" and rows[1]["ms"] is None
+    assert rows[1]["error"].startswith("skipped:") and "1 steps of" in rows[1]["error"]

@@ -248,3 +248,25 @@ def test_measure_errors(tmp_path, monkeypatch):
         fit_measured(tmp_path, AttentionBackends("measure", backends=["flash", "math"]))
     with pytest.raises(ValueError, match="unknown attention backend 'flsh'"):
         AttentionBackends("measure", backends=["flsh"])
+
+
+@pytest.mark.cuda
+def test_measure_on_a_gpu_chooses_among_torchs_kernels(tmp_path):
+    """The real thing on one GPU (bf16): every bucket measured with flash, efficient and cudnn, each chosen
+    backend the fastest of those that ran within tolerance, the plan applied to the training batches."""
+    from examples.video_dit.module import VideoDiTModule
+
+    torch.manual_seed(0)
+    callback = AttentionBackends("measure", backends=["flash", "efficient", "cudnn"], repeats=3)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=1, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(VideoDiTModule(**TINY), datamodule=BucketDataModule())
+    plan = callback.plan
+    assert sorted(plan.buckets) == sorted(LATENTS)
+    for bucket in plan.buckets.values():
+        good = [r for r in bucket.results if r.usable and r.checked]
+        assert good, bucket
+        assert bucket.backend == min(good, key=lambda r: r.ms).backend
+    assert AttentionPlan.from_json(tmp_path / "attention_plan.json").to_dict() == plan.to_dict()
+    assert sum(callback.counts.values()) == len(BucketDataModule().train_seq_lens)

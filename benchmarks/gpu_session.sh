@@ -10,6 +10,7 @@
 #   compile  benchmarks/e2e/compile.py: eager vs regional compile strategies, +- surgery
 #   warmup   benchmarks/e2e/warmup.py: cold shapes with and without the shape warm-up
 #   memory   benchmarks/scheduling/memory_plan.py: per-bucket activation checkpointing
+#   attention benchmarks/kernel/attention.py: each SDPA backend at the shipped shapes, the 75,600-token step under each (~3 min)
 #   shipped  benchmarks/e2e/shipped_config.py: the shipped config and its baseline as a user runs them
 #            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
 #            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
@@ -74,6 +75,8 @@ for stage in "$@"; do
         ${WARMUP_ARGS:-} ;;
     memory)
       run memory 290 python3 benchmarks/scheduling/memory_plan.py --out "$OUT/memory/memory_plan_h200.json" ${MEMORY_ARGS:-} ;;
+    attention)
+      run attention 240 python3 benchmarks/kernel/attention.py --out "$OUT/attention/attention_h200.json" ${ATTENTION_ARGS:-} ;;
     shipped)
       run shipped "${SHIPPED_LIMIT_S:-560}" python3 benchmarks/e2e/shipped_config.py --runs "${SHIPPED_RUNS:-baseline,compiled}" \
         --samples "${SHIPPED_SAMPLES:-100}" --workdir /tmp/shipped --cache-dir .shipped_cache \

@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -52,23 +52,28 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_one(args: dict, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median ms of forward+backward of one call (CUDA events on CUDA, the wall clock elsewhere)."""
+def median_ms(fn: Callable[[], object], device, warmup: int = 2, repeats: int = 5) -> float:
+    """Median ms of `repeats` calls of fn() after `warmup` untimed ones: CUDA events around each
+    call on CUDA (GPU time of the work it queued), the wall clock elsewhere. The one timer of the
+    attention measurements and of benchmarks/kernel/attention.py (matmul rate, training steps)."""
+    require_int("repeats", repeats)
+    require_int("warmup", warmup, minimum=0)
+    device = _device(device)
     for _ in range(warmup):
-        forward_backward(args)
+        fn()
     _synchronize(device)
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            forward_backward(args)
+            fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            forward_backward(args)
+            fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -96,7 +101,7 @@ def time_calls(calls: Sequence[SdpaCall], backend: str, device="cuda", warmup: i
             try:
                 args = make_inputs(call, device)
                 with attention_backend(backend, strict=True):
-                    total += call.count * _time_one(args, device, warmup, repeats)
+                    total += call.count * median_ms(lambda: forward_backward(args), device, warmup, repeats)
             except (RuntimeError, ImportError) as e:  # torch.OutOfMemoryError is a RuntimeError
                 error = _failure(e, caught)
                 del e

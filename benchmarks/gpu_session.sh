@@ -14,6 +14,8 @@
 #            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
 #            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
 #            it to the next call: compiled and compiled95 share one)
+#   wan      benchmarks/e2e/wan_runs.py: one of the Wan 2.1 1.3B runs (WAN_RUN=a|b|c; WAN_ARGS), its files in
+#            $OUT/wan/<run>/; calibration caches in .wan_cache/ (put $OUT/wan/cache back there for a second call)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
 # (the device tool returns at most 8 files); $OUT/summary.txt has one line per stage.
 set -uo pipefail
@@ -83,6 +85,16 @@ for stage in "$@"; do
         cp "$dir"logs/version_0/{calibration.json,balance_per_rank.csv,metrics.csv} "$OUT/shipped/$name/" 2>/dev/null
       done
       cp -r .shipped_cache "$OUT/shipped/cache" 2>/dev/null ;;
+    wan)  # the fit stops itself 40 s before the stage's limit, so its calibration cache is kept
+      case ${WAN_RUN:-} in a|b|c) ;; *) note "wan: set WAN_RUN to a, b or c"; status=1; continue ;; esac
+      wan_limit=$(left); [ "$wan_limit" -gt 540 ] && wan_limit=540
+      run wan 540 python3 benchmarks/e2e/wan_runs.py --run "$WAN_RUN" --workdir /tmp/wan --cache-dir .wan_cache \
+        --run-timeout-s $((wan_limit - 40)) ${WAN_ARGS:-}
+      mkdir -p "$OUT/wan/$WAN_RUN"
+      cp /tmp/wan/wan_"$WAN_RUN".json /tmp/wan/"$WAN_RUN"/fit.log /tmp/wan/"$WAN_RUN"/config.yaml "$OUT/wan/$WAN_RUN/" 2>/dev/null
+      cp /tmp/wan/"$WAN_RUN"/logs/version_0/{calibration.json,metrics.csv,balance_per_rank.csv,fused_adaln_surgery.json} \
+        "$OUT/wan/$WAN_RUN/" 2>/dev/null
+      cp -r .wan_cache "$OUT/wan/cache" 2>/dev/null ;;
     *) note "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -4,7 +4,9 @@
     python benchmarks/e2e/wan_runs.py --run b --workdir /tmp/wan --cache-dir .wan_cache
     python benchmarks/e2e/wan_runs.py --run c --workdir /tmp/wan --cache-dir .wan_cache
     python benchmarks/e2e/wan_runs.py --compare wan_a.json wan_b.json wan_c.json --out benchmarks/results/wan_runs_h200.json
-    python benchmarks/e2e/wan_runs.py --smoke          # all three on the CPU with the demo's tiny Wan (< 2 min)
+    python benchmarks/e2e/wan_runs.py --smoke          # all three on the CPU with the demo's tiny Wan (1-2 min)
+
+On the GPU machine: `WAN_RUN=a bash benchmarks/gpu_session.sh setup wan` (benchmarks/gpu_session.sh).
 
   a  examples/configs/wan21_1.3b_baseline.yaml: FSDP1, every block checkpointed, eager, no surgery, no memory plan
   b  examples/configs/wan21_1.3b.yaml: FSDP1, everything on (surgery, per-bucket checkpointing, memory plan, compile)
@@ -26,7 +28,12 @@ CSV stay in <workdir>/<run>/.
 
 A 30-block calibration takes about 5 minutes on an H200: a run stopped by `--run-timeout-s` after
 it keeps its calibration cache in `--cache-dir` (<run>_calibration_cache.json), and a second call
-with the same cache dir reuses it (measurements and verification) and trains.
+with the same cache dir reuses it (measurements and verification) and trains; the per-run JSON of a
+stopped run has `complete` false and what its logs hold so far.
+
+`--smoke` runs a, b, c with smoke_config (wan21_demo.yaml's tiny model and data on the CPU; FSDP1
+needs a GPU in Lightning, so (a) and (b) run without a strategy there) and compares them: a check
+of the tooling, not a measurement.
 
 `--compare` reads the three per-run JSONs and writes the result (run_meta header) and a PNG of the
 loss curves beside it: per run tokens/s on the samples every run trains (shipped_config's
@@ -40,6 +47,7 @@ import argparse
 import csv
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -134,8 +142,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     """Launch run `name` and collect what its files say (module docstring); written to
     <workdir>/wan_<name>.json."""
     config = run_config(name, args)
-    run = launch(name, args, config)
     log_dir = Path(args.workdir) / name / "logs" / "version_0"
+    # an earlier attempt's files (CSVLogger appends to metrics.csv); its calibration cache lies outside
+    shutil.rmtree(log_dir, ignore_errors=True)
+    run = launch(name, args, config)
     have_logs = (log_dir / CSV_NAME).exists() and (log_dir / "calibration.json").exists()
     doc = {**run_meta("wan_runs"), "run": name, "config": RUNS[name], "smoke": args.smoke, "args": vars(args), **run,
            "complete": run["exit"] == 0, "log_dir": str(log_dir),

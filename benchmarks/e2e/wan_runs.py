@@ -146,18 +146,21 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     # an earlier attempt's files (CSVLogger appends to metrics.csv); its calibration cache lies outside
     shutil.rmtree(log_dir, ignore_errors=True)
     run = launch(name, args, config)
-    have_logs = (log_dir / CSV_NAME).exists() and (log_dir / "calibration.json").exists()
     doc = {**run_meta("wan_runs"), "run": name, "config": RUNS[name], "smoke": args.smoke, "args": vars(args), **run,
-           "complete": run["exit"] == 0, "log_dir": str(log_dir),
-           # a run stopped early still reports what it trained (complete: false)
-           "result": summarize_run(log_dir) if have_logs else None,
-           "epoch0": epoch0(read_per_rank_csv(log_dir / CSV_NAME)) if have_logs else None,
+           "complete": run["exit"] == 0, "log_dir": str(log_dir), "result": None, "epoch0": None, "batches": None,
            "surgery": fused_blocks(config, log_dir),
            "losses": read_losses(log_dir / "metrics.csv") if (log_dir / "metrics.csv").exists() else None}
-    if have_logs:
-        cols = read_per_rank_csv(log_dir / CSV_NAME)
-        doc["batches"] = {"samples": cols["samples"][:, 0].astype(int).tolist(),
-                          "seq_len": cols["seq_len"][:, 0].astype(int).tolist()}
+    if (log_dir / CSV_NAME).exists() and (log_dir / "calibration.json").exists():
+        # a run stopped early still reports what it trained (complete: false), unless the kill cut a file short
+        try:
+            doc["result"] = summarize_run(log_dir)
+            cols = read_per_rank_csv(log_dir / CSV_NAME)
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            doc["summary_error"] = f"{type(e).__name__}: {e}"
+        else:
+            doc["epoch0"] = epoch0(cols)
+            doc["batches"] = {"samples": cols["samples"][:, 0].astype(int).tolist(),
+                              "seq_len": cols["seq_len"][:, 0].astype(int).tolist()}
     write_result(Path(args.workdir) / f"wan_{name}.json", doc)
     return doc
 
@@ -280,8 +283,9 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
         line, = ax.plot(common, y, lw=0.7, alpha=0.4)
         ax.plot(common, moving_average(y, LOSS_WINDOW), lw=2, color=line.get_color(),
                 label=f"({name}) {runs[name]['config']}")
+    model = "the demo's tiny Wan on the CPU (smoke)" if any(r.get("smoke") for r in runs.values()) else "Wan 2.1 1.3B"
     ax.set(xlabel="optimizer step", ylabel="train/loss (flow matching MSE)",
-           title=f"Wan 2.1 1.3B, same data and recipe: loss per step, {LOSS_WINDOW}-step mean")
+           title=f"{model}, same data and recipe: loss per step, {LOSS_WINDOW}-step mean")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -290,7 +294,7 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
 
 def write_comparison(paths: list[str], out: str, argv: list[str] | None) -> dict:
     """Read the per-run JSONs at `paths`, write the comparison to `out` and its loss PNG beside it."""
-    runs = {}
+    runs, runs_from = {}, []
     for p in paths:
         doc = json.loads(Path(p).read_text())
         if doc.get("benchmark") != "wan_runs" or doc.get("run") not in RUNS:
@@ -299,12 +303,9 @@ def write_comparison(paths: list[str], out: str, argv: list[str] | None) -> dict
         if doc["run"] in runs:
             raise ValueError(f"{p}: run {doc['run']!r} given twice")
         runs[doc["run"]] = doc
+        runs_from.append({"file": p, **{k: doc[k] for k in ("run", "command", "date", "git_commit", "device")}})
     comparison = compare(runs)
-    result = {**run_meta("wan_runs", argv),
-              "runs_from": [{"file": p, "run": runs_doc["run"], "command": runs_doc["command"], "date": runs_doc["date"],
-                             "git_commit": runs_doc["git_commit"], "device": runs_doc["device"]}
-                            for p, runs_doc in zip(paths, (json.loads(Path(p).read_text()) for p in paths))],
-              **comparison,
+    result = {**run_meta("wan_runs", argv), "runs_from": runs_from, **comparison,
               "losses": {n: r.get("losses") for n, r in sorted(runs.items())}}
     print(table(comparison))
     write_result(out, result)

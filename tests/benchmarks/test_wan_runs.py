@@ -129,6 +129,26 @@ def test_read_losses_keeps_the_logged_steps(tmp_path):
     assert wan_runs.read_losses(path) == {"step": [0, 1, 2], "loss": [1.5, 1.25, 0.75]}
 
 
+def test_run_stopped_before_its_logs(tmp_path, monkeypatch):
+    """A fit the timeout stopped during calibration: the per-run JSON says so, with no result; an
+    earlier attempt's log folder is cleared first (its metrics.csv would be appended to)."""
+    stale = tmp_path / "b" / "logs" / "version_0"
+    stale.mkdir(parents=True)
+    (stale / "metrics.csv").write_text("epoch,step,train/loss\n0,0,9.0\n")
+    seen = {}
+
+    def stopped(name, args, config):
+        seen.update(name=name, config=config, stale_left=stale.exists())
+        return {"exit": "timeout", "wall_s": 480.0, "out_of_memory": False, "log_tail": "calibration 3/40"}
+
+    monkeypatch.setattr(wan_runs, "launch", stopped)
+    doc = wan_runs.run_one("b", _args(tmp_path))
+    assert seen["name"] == "b" and not seen["stale_left"] and seen["config"] == wan_runs.run_config("b", _args(tmp_path))
+    assert doc["complete"] is False and doc["result"] is None and doc["losses"] is None and doc["exit"] == "timeout"
+    assert doc["surgery"] == {"blocks": 30, "fused": 0, "every_block": False, "report": False}
+    assert json.loads((tmp_path / "wan_b.json").read_text())["run"] == "b"
+
+
 # -- the comparison --
 
 def _buckets(rng, seq_lens, speed: dict[int, float]) -> dict:

@@ -90,7 +90,8 @@ def smoke_config(config: dict) -> dict:
         for callback in trainer["callbacks"]:
             if callback["class_path"].endswith("PerBucketCheckpointing"):
                 callback["init_args"] = {"block_classes": blocks}
-    demo_calibration = next(c["init_args"] for c in demo["trainer"]["callbacks"] if c["class_path"].endswith("CostModelCalibration"))
+    demo_calibration = next(c["init_args"] for c in demo["trainer"]["callbacks"]
+                            if c["class_path"].endswith("CostModelCalibration"))
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("CostModelCalibration"):
             callback["init_args"].update(num_seq_lens=3, batch_sizes=[1, 2, 4, 8], max_tokens=demo_calibration["max_tokens"],
@@ -232,7 +233,8 @@ def compare(runs: dict[str, dict]) -> dict:
         common = common_sample_speedup(results[base]["buckets"], results[other]["buckets"])
         e0 = [lines[n]["epoch0"]["tokens_per_s"] if lines[n]["epoch0"] else None for n in (other, base)]
         out[label] = {"common_samples": common,
-                      "tokens_per_s_all_steps": ratio(lines[other]["tokens_per_s_all_steps"], lines[base]["tokens_per_s_all_steps"]),
+                      "tokens_per_s_all_steps": ratio(lines[other]["tokens_per_s_all_steps"],
+                                                      lines[base]["tokens_per_s_all_steps"]),
                       "epoch0_tokens_per_s": ratio(*e0),
                       "peak_memory": ratio(lines[other]["peak_memory_gib"], lines[base]["peak_memory_gib"]),
                       "loss": loss_agreement(runs[base], runs[other]) if runs[base].get("losses") and runs[other].get("losses")

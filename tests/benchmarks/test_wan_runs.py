@@ -265,7 +265,8 @@ def test_write_comparison_files_and_bad_inputs(tmp_path):
     wan_runs.write_comparison(paths, str(out), ["--compare", *paths])
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "wan_runs" and [r["run"] for r in doc["runs_from"]] == ["a", "b", "c"]
-    assert doc["targets"]["b_over_a_met"] and doc["losses"]["b"]["loss"] == json.loads(Path(paths[1]).read_text())["losses"]["loss"]
+    assert doc["targets"]["b_over_a_met"]
+    assert doc["losses"]["b"]["loss"] == json.loads(Path(paths[1]).read_text())["losses"]["loss"]
     assert out.with_suffix(".png").stat().st_size > 0
     with pytest.raises(ValueError, match="missing: c"):
         wan_runs.write_comparison(paths[:2], str(out), None)

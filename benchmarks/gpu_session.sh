@@ -17,6 +17,8 @@
 #            it to the next call: compiled and compiled95 share one)
 #   encode   benchmarks/data/encode.py: the Wan 2.1 VAE and UMT5-XXL per clip (carry .whl-av: PyAV)
 #   crash    benchmarks/e2e/compile_crash.py: compile dynamic at 75,600 tokens, variant by variant (CRASH_ARGS)
+#   wan      benchmarks/e2e/wan_runs.py: one of the Wan 2.1 1.3B runs (WAN_RUN=a|b|c; WAN_ARGS), its files in
+#            $OUT/wan/<run>/; calibration caches in .wan_cache/ (put $OUT/wan/cache back there for a second call)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
 # (the device tool returns at most 8 files); $OUT/summary.txt has one line per stage.
 set -uo pipefail
@@ -95,6 +97,16 @@ for stage in "$@"; do
     crash)
       run crash "${CRASH_LIMIT_S:-540}" python3 benchmarks/e2e/compile_crash.py --out "$OUT/crash/compile_crash_h200.json" \
         --budget-s $(( ${CRASH_LIMIT_S:-540} - 40 )) ${CRASH_ARGS:-} ;;
+    wan)  # the fit stops itself 40 s before the stage's limit, so its calibration cache is kept
+      case ${WAN_RUN:-} in a|b|c) ;; *) note "wan: set WAN_RUN to a, b or c"; status=1; continue ;; esac
+      wan_limit=$(left); [ "$wan_limit" -gt 540 ] && wan_limit=540
+      run wan 540 python3 benchmarks/e2e/wan_runs.py --run "$WAN_RUN" --workdir /tmp/wan --cache-dir .wan_cache \
+        --run-timeout-s $((wan_limit - 40)) ${WAN_ARGS:-}
+      mkdir -p "$OUT/wan/$WAN_RUN"
+      cp /tmp/wan/wan_"$WAN_RUN".json /tmp/wan/"$WAN_RUN"/fit.log /tmp/wan/"$WAN_RUN"/config.yaml "$OUT/wan/$WAN_RUN/" 2>/dev/null
+      cp /tmp/wan/"$WAN_RUN"/logs/version_0/{calibration.json,metrics.csv,balance_per_rank.csv,fused_adaln_surgery.json} \
+        "$OUT/wan/$WAN_RUN/" 2>/dev/null
+      cp -r .wan_cache "$OUT/wan/cache" 2>/dev/null ;;
     *) note "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -58,10 +58,12 @@ TINY_DATA = dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, num_work
                  synthesize_shapes=str(REPO / "examples" / "configs" / "demo_mix.jsonl"), synthesize_latent_scale=1.0)
 
 
-def run_config(name: str, args: argparse.Namespace) -> dict:
-    """The YAML of run `name`: its base config with this benchmark's overrides."""
-    base, changes = RUNS[name]
-    config = yaml.safe_load((REPO / "examples" / "configs" / base).read_text())
+def as_benchmark_run(config: dict, name: str, args: argparse.Namespace) -> dict:
+    """`config` (a shipped YAML, loaded; changed in place and returned) as run `name` of a benchmark:
+    one device, one epoch of at most `args.max_steps` steps, logged every `args.log_every`, its files
+    under `args.workdir`/name (logger version 0, launch() keeps its calibration cache there), the
+    calibration's `time_budget_s`, `warmup` and `repeats` from `args`, and the shards every run of the
+    workdir shares (`args.samples` synthetic samples, seed 0: the same samples in every run)."""
     root = str(Path(args.workdir) / name)
     trainer = config["trainer"]
     trainer.update(devices=1, max_epochs=1, max_steps=args.max_steps, log_every_n_steps=args.log_every, default_root_dir=root,
@@ -71,14 +73,23 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
         if callback["class_path"].endswith("CostModelCalibration"):
             callback["init_args"].update(time_budget_s=args.time_budget_s, warmup=args.warmup, repeats=args.repeats,
                                          cache_path=str(Path(root) / "calibration_cache.json"))
-            if "max_memory_fraction" in changes:
-                callback["init_args"]["max_memory_fraction"] = changes["max_memory_fraction"]
+    config["data"]["init_args"].update(shards=str(Path(args.workdir) / "shards"),
+                                       index=str(Path(args.workdir) / "index.jsonl"), synthesize=args.samples, seed=0)
+    return config
+
+
+def run_config(name: str, args: argparse.Namespace) -> dict:
+    """The YAML of run `name`: its base config with this benchmark's overrides."""
+    base, changes = RUNS[name]
+    config = as_benchmark_run(yaml.safe_load((REPO / "examples" / "configs" / base).read_text()), name, args)
+    trainer = config["trainer"]
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("CostModelCalibration") and "max_memory_fraction" in changes:
+            callback["init_args"]["max_memory_fraction"] = changes["max_memory_fraction"]
     model = config["model"]["init_args"]
     if "compile" in changes:
         model["compile"] = changes["compile"]
     data = config["data"]["init_args"]
-    data.update(shards=str(Path(args.workdir) / "shards"), index=str(Path(args.workdir) / "index.jsonl"),
-                synthesize=args.samples, seed=0)
     if args.tiny:  # the CPU smoke run: a toy model and the demo mix, no strategy, no compile
         trainer.update(accelerator="cpu", precision="32-true")
         trainer.pop("strategy")
@@ -95,14 +106,17 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     return config
 
 
-def launch(name: str, args: argparse.Namespace) -> dict:
-    """Run `name` in a fresh process; its exit, wall time and output."""
+def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> dict:
+    """Run `name` (its YAML `config`, default run_config(name, args)) in a fresh process,
+    `adaptiveload fit --config <workdir>/<name>/config.yaml`; its exit ("timeout" past
+    `args.run_timeout_s`), wall time and output. The calibration cache of an earlier call is copied
+    in from `args.cache_dir` first and back there after (a run stopped by the timeout keeps it too)."""
     root = Path(args.workdir) / name
     root.mkdir(parents=True, exist_ok=True)
     if args.cache_dir and (Path(args.cache_dir) / f"{name}_calibration_cache.json").exists():
         shutil.copy(Path(args.cache_dir) / f"{name}_calibration_cache.json", root / "calibration_cache.json")
     path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(run_config(name, args), sort_keys=False))
+    path.write_text(yaml.safe_dump(run_config(name, args) if config is None else config, sort_keys=False))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
     print(f"[{name}] adaptiveload fit --config {path}", flush=True)

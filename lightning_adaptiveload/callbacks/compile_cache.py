@@ -31,13 +31,15 @@ class CompileCache(Callback):
         holds the module's fingerprint (calibration.record.model_fingerprint, which covers every
         hparam), the device and the versions of torch, CUDA and python.
 
-    `cache` is the run's lightning_adaptiveload.compile_cache.CompileCache once `setup` ran.
+    `cache` is the run's lightning_adaptiveload.compile_cache.CompileCache once `setup` ran, and
+    `loaded` whether its bundle loaded there (None before).
     """
 
     def __init__(self, directory: str | None = None, compile_mode: str | None = None):
         self.directory = directory
         self.compile_mode = compile_mode
         self.cache: Cache | None = None
+        self.loaded: bool | None = None
         self._counts_at_load: dict[str, int] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -49,23 +51,29 @@ class CompileCache(Callback):
         key = cache_key(model_fingerprint(pl_module), None if mode is None else str(mode), trainer.strategy.root_device)
         self.cache = Cache(self.directory or os.path.join(trainer.default_root_dir, "compile_cache"), key,
                            info=rank_zero_info, warn=rank_zero_warn)
-        self.cache.load()
+        self.loaded = self.cache.load()
         self._counts_at_load = read_cache_counts()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        counts = read_cache_counts()
-        since = {name: counts[name] - self._counts_at_load.get(name, 0) for name in counts}
-        rank_zero_info(f"CompileCache: before training, {since['fxgraph_hits']} graphs read from the compile cache, "
-                       f"{since['fxgraph_misses']} compiled by inductor, {since['fxgraph_bypasses']} not cacheable; "
-                       f"forward/backward pairs: {since['autograd_hits']} read, {since['autograd_misses']} compiled "
-                       "(rank 0)")
+        self._report("before training")
         self._save(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._report("by the end of training")
         self._save(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save(trainer)
+
+    def _report(self, when: str) -> None:
+        """Rank 0's graphs read from torch's caches (the bundle or the on-disk ones) and compiled since
+        `setup`."""
+        counts = read_cache_counts()
+        since = {name: counts[name] - self._counts_at_load.get(name, 0) for name in counts}
+        rank_zero_info(f"CompileCache: {when}, {since['fxgraph_hits']} graphs read from the compile cache, "
+                       f"{since['fxgraph_misses']} compiled by inductor, {since['fxgraph_bypasses']} not cacheable; "
+                       f"forward/backward pairs: {since['autograd_hits']} read, {since['autograd_misses']} compiled "
+                       "(rank 0, since setup)")
 
     def _save(self, trainer: Trainer) -> None:
         if trainer.is_global_zero and self.cache is not None:

@@ -19,8 +19,9 @@ ALLOWED = {
     "surgery": {"ops"},
     "loss": set(),
     "clipping": set(),
+    "compile_cache": {"scheduling"},
     "callbacks": {"scheduling", "data", "monitoring", "calibration", "checkpointing", "ops", "surgery", "loss",
-                  "clipping", "attention"},
+                  "clipping", "attention", "compile_cache"},
     "cli": {"scheduling", "data", "encode", "monitoring", "ops", "__init__"},
     "__main__": {"cli"},
     "__init__": set(),  # imports lazily, by name (checked in test_public_api.py)

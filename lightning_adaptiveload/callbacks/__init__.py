@@ -4,3 +4,4 @@ from lightning_adaptiveload.callbacks.calibration import CostModelCalibration
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.callbacks.surgery import FusedAdaLNSurgery
 from lightning_adaptiveload.callbacks.attention import AttentionBackends
+from lightning_adaptiveload.callbacks.compile_cache import CompileCache

@@ -13,6 +13,8 @@ samples), calibration `time_budget_s`, `warmup`, `repeats` the same in every run
   eager       examples/configs/h200_fsdp.yaml with model.compile null (memory plan, budget 0.85)
   compiled    examples/configs/h200_fsdp.yaml as shipped (compile auto, budget 0.85)
   compiled95  the shipped config at max_memory_fraction 0.95
+  eager_again, compiled_again   eager / compiled once more on the caches their first run left (same call,
+              or --cache-dir): the time to the first step of a user's second start
 
 From each run's log folder (calibration.json, balance_per_rank.csv) and its output: whether it ran out
 of memory; calibration and verification seconds and what verification re-planned; per step the
@@ -52,7 +54,12 @@ RUNS = {
     "eager": ("h200_fsdp.yaml", {"compile": None}),
     "compiled": ("h200_fsdp.yaml", {}),
     "compiled95": ("h200_fsdp.yaml", {"max_memory_fraction": 0.95}),
+    "eager_again": ("h200_fsdp.yaml", {"compile": None}),
+    "compiled_again": ("h200_fsdp.yaml", {}),
 }
+# A second run of a config, on the first one's caches (calibration_cache.json, compile_cache/): what a
+# user's next start of the same config waits
+CACHES_OF = {"eager_again": "eager", "compiled_again": "compiled"}
 TINY_MODEL = dict(in_channels=4, dim=64, num_layers=2, num_heads=4, ffn_dim=128, text_dim=32, freq_dim=64)
 TINY_DATA = dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, num_workers=0,
                  synthesize_shapes=str(REPO / "examples" / "configs" / "demo_mix.jsonl"), synthesize_latent_scale=1.0)
@@ -113,8 +120,14 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
     in from `args.cache_dir` first and back there after (a run stopped by the timeout keeps it too)."""
     root = Path(args.workdir) / name
     root.mkdir(parents=True, exist_ok=True)
-    if args.cache_dir and (Path(args.cache_dir) / f"{name}_calibration_cache.json").exists():
-        shutil.copy(Path(args.cache_dir) / f"{name}_calibration_cache.json", root / "calibration_cache.json")
+    cache = CACHES_OF.get(name, name)
+    first = Path(args.workdir) / cache  # the first run's own folder, when it ran in this call
+    if cache != name and (first / "calibration_cache.json").exists():
+        shutil.copy(first / "calibration_cache.json", root / "calibration_cache.json")
+        if (first / "compile_cache").is_dir():
+            shutil.copytree(first / "compile_cache", root / "compile_cache", dirs_exist_ok=True)
+    elif args.cache_dir and (Path(args.cache_dir) / f"{cache}_calibration_cache.json").exists():
+        shutil.copy(Path(args.cache_dir) / f"{cache}_calibration_cache.json", root / "calibration_cache.json")
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(run_config(name, args) if config is None else config, sort_keys=False))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -131,7 +144,7 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
     text = (root / "fit.log").read_text(encoding="utf-8", errors="replace")
     if args.cache_dir and (root / "calibration_cache.json").exists():
         Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{name}_calibration_cache.json")
+        shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{cache}_calibration_cache.json")
     print(f"[{name}] exit {rc} after {wall:.0f} s", flush=True)
     return {"exit": rc, "wall_s": wall, "out_of_memory": ran_out_of_memory(text), "log_tail": text[-3000:]}
 

@@ -166,12 +166,12 @@ def memory_coverage(result: CalibrationResult) -> str:
 
 
 def format_verification(result: CalibrationResult) -> str:
-    """One line: what verification ran, what it changed, what it cost; and the first steps' excess."""
+    """One line: what verification ran, round by round, what it changed, what it cost; and the first
+    steps' excess."""
     outcome = result.verification
     shapes = outcome.verification.shapes
-    failed = [m for m in shapes if not m.fits]
-    line = (f"verification: {len(shapes)} shape(s) run in {outcome.rounds} round(s), {outcome.seconds:.1f} s; "
-            f"{len(failed)} did not fit ({sum(m.status == 'oom' for m in failed)} out of memory) and were planned again; "
+    line = (f"verification: {sum(m.ran for m in shapes)} shape(s) run in {outcome.rounds} "
+            f"round(s), {outcome.seconds:.1f} s ({describe_rounds(shapes, bool(outcome.settled))}); "
             + ("converged" if outcome.converged else f"settled {len(outcome.settled)} bucket(s) on their safest batch"))
     if outcome.unresolved:
         line += f"; {len(outcome.unresolved)} bucket(s) UNRESOLVED"
@@ -181,6 +181,32 @@ def format_verification(result: CalibrationResult) -> str:
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
     return line
+
+
+def describe_rounds(shapes, settled: bool) -> str:
+    """What each verification round measured, from the round recorded with each shape: round 1 every
+    bucket's batch; a round after one with failures the batches re-planned for them; after a round
+    where everything fit, the leftover partial batches; the last one, when buckets were settled, the
+    settling."""
+    by_round: dict[int, list] = {}
+    for m in shapes:
+        by_round.setdefault(m.round, []).append(m)
+    parts, replanned = [], False
+    last = max(by_round, default=0)
+    for r in sorted(by_round):
+        ran = [m for m in by_round[r] if m.ran]
+        failed = [m for m in ran if not m.fits]
+        what = ("the buckets' batches" if r == min(by_round) else "settling" if settled and r == last
+                else "the re-planned batches" if replanned else "partial batches")
+        skipped = len(by_round[r]) - len(ran)
+        text = f"round {r} ({what}): {len(ran)} run"
+        text += (f", {len(failed)} did not fit ({sum(m.status == 'oom' for m in failed)} out of memory) -> re-planned"
+                 if failed else ", all fit")
+        if skipped:
+            text += f", {skipped} predicted over the device and not run"
+        parts.append(text)
+        replanned = bool(failed) or bool(skipped)
+    return "; ".join(parts) or "nothing to run"
 
 
 def metrics(result: CalibrationResult, doc: dict) -> dict[str, float]:

@@ -182,6 +182,8 @@ def summarize_run(log_dir: Path) -> dict:
                            "step_s": float(step_ms[at].sum()) / 1e3}
     over = verification.get("shapes") or []
     startup = _time_to_first_step(log_dir)
+    over_verified = _peak_over_verified(over, samples, seq_len, cols["peak_allocated_bytes"][:, 0],
+                                        cols["peak_reserved_bytes"][:, 0])
     return {
         "calibration_s": calibration["seconds"], "verify_s": calibration["verify_seconds"],
         "time_to_first_step_s": startup,
@@ -202,10 +204,33 @@ def summarize_run(log_dir: Path) -> dict:
         "peak_allocated_bytes": float(np.nanmax(cols["peak_allocated_bytes"])) if np.isfinite(peaks).any() else None,
         "peak_reserved_bytes": float(np.nanmax(cols["peak_reserved_bytes"])) if np.isfinite(peaks).any() else None,
         "steps_over_budget": None if budget is None or not np.isfinite(peaks).any() else int((peaks > budget).sum()),
+        "step_peak_over_verified": over_verified,
         "shapes": shapes,
         "worst_shape_median_over_planned": max((abs(v["median_over_planned"]) for v in shapes.values()), default=None),
         "buckets": buckets,
     }
+
+
+def _peak_over_verified(shapes: list[dict], samples: np.ndarray, seq_len: np.ndarray, allocated: np.ndarray,
+                        reserved: np.ndarray) -> dict | None:
+    """Each training step's peak over the peak verification measured for its (B, S) (the last fitting
+    measurement of that shape: the one the plan pinned), allocated against allocated and held (max of
+    allocated, reserved) against held: the largest ratio - 1 and the steps more than 1% over, per
+    quantity. A step's reserved peak includes what the allocator kept cached from earlier, larger
+    steps (verification measures each shape from an empty cache), so the held ratio of a small step
+    after a large one says nothing about that step. None without verified shapes or peaks."""
+    verified = {}
+    for m in sorted((m for m in shapes if m["status"] == "fits"), key=lambda m: m["round"]):
+        verified[(int(m["batch_size"]), int(m["seq_len"]))] = (m["peak_bytes"], held_bytes(m["peak_bytes"], m.get("reserved_bytes")))
+    rows = [(verified[(int(b), int(s))], a, held_bytes(a, r)) for b, s, a, r in zip(samples, seq_len, allocated, reserved)
+            if (int(b), int(s)) in verified and np.isfinite(a)]
+    if not rows:
+        return None
+    out = {"steps": len(rows)}
+    for name, index in (("allocated", 0), ("held", 1)):
+        ratios = [peaks[index] / ref[index] - 1 for ref, *peaks in rows]
+        out[name] = {"max": float(max(ratios)), "steps_over_1pct": int(sum(r > 0.01 for r in ratios))}
+    return out
 
 
 def _time_to_first_step(log_dir: Path) -> float | None:

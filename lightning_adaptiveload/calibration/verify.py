@@ -332,17 +332,21 @@ class PlanVerifier:
             self.progress(f"verify round {rnd}, {i + 1}/{len(todo)}: {_describe(shape)}: {_result(measured)}{note}")
         return failed
 
-    def _run(self, seq_len: int, shape: ScheduledShape, rnd: int, raw: dict | None = None) -> MeasuredShape:
+    def _run(self, seq_len: int, shape: ScheduledShape, rnd: int, raw: dict | None = None,
+             last_resort: bool = False) -> MeasuredShape:
         """Measure `shape` (or record `raw`, a measurement made already) and keep it. A shape whose
         corrected prediction exceeds the device is recorded predicted_oom without running: the
-        prediction is the same on every rank, so no rank runs out of memory alone inside a collective."""
+        prediction is the same on every rank, so no rank runs out of memory alone inside a collective.
+        last_resort (B = 1 with every block checkpointed, before a bucket is left out): run whatever the
+        prediction, since leaving the bucket and every longer one out on a model's word would drop
+        samples that may fit (the runner still agrees on out-of-memory after forward and backward)."""
         predicted_ms, _ = self.plan.predict(shape)
         predicted_held = self._predicted_held(seq_len, shape)
         common = dict(batch_size=int(shape.batch_size), seq_len=int(seq_len),
                       latent_shape=None if shape.latent_shape is None else tuple(shape.latent_shape),
                       checkpointed=shape.checkpointed, predicted_ms=predicted_ms,
                       predicted_peak_bytes=predicted_held, round=rnd)
-        if raw is None and predicted_held is not None and predicted_held > self.device_bytes:
+        if raw is None and not last_resort and predicted_held is not None and predicted_held > self.device_bytes:
             measured = MeasuredShape(status="predicted_oom", **common)
         else:
             raw = self.measure(shape) if raw is None else raw
@@ -399,7 +403,9 @@ class PlanVerifier:
                               f"{_describe_key(best.batch_size, best.latent_shape, best.checkpointed)}")
                 continue
             for candidate in self._safe_candidates(seq_len, target):
-                measured = self._measured(seq_len, candidate) or self._run(seq_len, candidate, rnd)
+                measured = self._measured(seq_len, candidate)
+                if measured is None or not measured.ran:
+                    measured = self._run(seq_len, candidate, rnd, last_resort=candidate.batch_size == 1)
                 if measured.fits:
                     self.pinned[seq_len] = (candidate.batch_size, candidate.checkpointed)
                     self.progress(f"verify: bucket {seq_len} settled on {_describe(candidate)}: {_result(measured)}")

@@ -59,6 +59,8 @@ class BucketBatchSampler:
         max_seq_len = require_int("max_seq_len (tokens)", m_mem if max_seq_len is None else max_seq_len)
         if memory_plan is not None:  # longer samples fit no configuration: dropped (counted) like oversize ones
             max_seq_len = memory_plan.limit_seq_len(max_seq_len, int(np.min(seq_lens)))
+        if verification is not None and verification.max_seq_len is not None:  # buckets verification left out
+            max_seq_len = min(max_seq_len, verification.max_seq_len)
         world, dist_rank = world_size_and_rank()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = dist_rank if rank is None else int(rank)

@@ -52,7 +52,8 @@ def test_run_configs_differ_only_by_the_levers(tmp_path):
     assert b["trainer"]["strategy"]["class_path"].endswith("FSDPStrategy")
     assert c["trainer"]["strategy"]["class_path"].endswith("ModelParallelStrategy")
     for run in (b, c):
-        assert _callbacks(run) == ["FusedAdaLNSurgery", "PerBucketCheckpointing", "CostModelCalibration", "LoadBalanceMonitor"]
+        assert _callbacks(run) == ["FusedAdaLNSurgery", "PerBucketCheckpointing", "CompileCache", "CostModelCalibration",
+                                  "LoadBalanceMonitor"]
         assert run["model"]["init_args"]["compile"] == "auto" and run["data"]["init_args"]["memory_planning"] is True
     # the same data, steps, recipe and calibration settings in all three
     for run, name in ((a, "a"), (b, "b"), (c, "c")):

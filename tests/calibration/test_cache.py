@@ -59,7 +59,7 @@ def test_a_settled_plan_is_cached_and_a_later_run_checks_each_shape_once(tmp_pat
     assert first.cacheable and (root / "calibration_cache.json").exists()
     long_limits = [limit for s, limit in outcome.verification.limits.items()
                    if any(m.seq_len == s and m.latent_shape == LONG for m in outcome.verification.shapes)]
-    assert long_limits and all(limit.pinned and limit.min_checkpointed == 3 for limit in long_limits)
+    assert long_limits and all(limit.pinned is not None and limit.pinned[1] == 3 for limit in long_limits)
     assert any(not m.fits for m in outcome.verification.shapes)  # round 1 found the over-budget shape
 
     second = _fit(root, tmp_path / "b", monkeypatch, second_calls)
@@ -75,5 +75,8 @@ def test_a_settled_plan_is_cached_and_a_later_run_checks_each_shape_once(tmp_pat
     assert recorded & set(keys)  # the recorded shapes were checked, not taken on trust
     now = {(m.batch_size, m.latent_shape, m.checkpointed): m for m in again.verification.shapes}
     assert all(now[key].fits for key in keys)  # nothing the second run measured needed a re-plan
-    assert again.verification.limits == outcome.verification.limits  # nothing planned again
+    # nothing planned again: every bucket keeps its choice and its failures (a re-measured shape may
+    # move a bucket's activation scale a little; a partial batch run now adds a fit)
+    pins = lambda v: {s: (lim.pinned, lim.failed) for s, lim in v.limits.items()}  # noqa: E731
+    assert pins(again.verification) == pins(outcome.verification)
     assert len(second_calls) < len(first_calls)

@@ -10,6 +10,7 @@ from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.policies import dual_constraint_batch_size, token_equal_batch_size
 from lightning_adaptiveload.scheduling.buckets import assign_buckets
 from lightning_adaptiveload.scheduling.sampler import BucketBatchSampler
+from lightning_adaptiveload.scheduling.verification import Verification
 
 M_MEM = 65536
 BUCKETS = np.array([256, 1024, 1560, 3600, 7800, 14040, 20280, 32760, 46800, 61200, 75600])
@@ -205,6 +206,18 @@ def test_oversize_drop_and_resize():
     assert s.target_seq_lens.tolist() == [100, 200, 200, 300, 300, 300, 100]
     s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=1000, drop_last=False)
     assert s.stats["dropped_oversize"] == 2 and s.target_seq_lens[3] == -1
+
+
+def test_buckets_verification_left_out_are_dropped_as_oversize():
+    # verification found the 9000-token bucket fits nowhere: the sampler's buckets and the bucket
+    # table's agree (they once disagreed, and plan_epoch failed on arrays of two lengths)
+    seq_lens = np.array([100, 200, 200, 5000, 300, 9000, 100])
+    s = BucketBatchSampler(seq_lens, policy="token_equal", m_mem=20000, drop_last=False,
+                           verification=Verification(max_seq_len=5000))
+    assert s.bucket_seq_len.tolist() == s.bucket_table.seq_len.tolist() == [100, 200, 300, 5000]
+    assert s.target_seq_lens.tolist() == [100, 200, 200, 5000, 300, -1, 100]
+    batches = list(s)
+    assert s.stats["dropped_oversize"] == 1 and sorted(i for b in batches for i in b) == [0, 1, 2, 3, 4, 6]
 
 
 def test_bad_input_errors():

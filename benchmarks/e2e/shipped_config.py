@@ -10,8 +10,8 @@ Each run is `adaptiveload fit --config ...` in a fresh process with `--trainer.d
 samples), calibration `time_budget_s`, `warmup`, `repeats` the same in every run:
 
   baseline    examples/configs/h200_fsdp_baseline.yaml: every block checkpointed, eager, partial batches dropped
-  eager       examples/configs/h200_fsdp.yaml with model.compile null (memory plan, budget 0.85)
-  compiled    examples/configs/h200_fsdp.yaml as shipped (compile auto, budget 0.85)
+  eager       examples/configs/h200_fsdp.yaml as shipped (model.compile null, memory plan, budget 0.85)
+  compiled    examples/configs/h200_fsdp.yaml with model.compile auto (budget 0.85)
   compiled95  the shipped config at max_memory_fraction 0.95
   eager_again, compiled_again   eager / compiled once more on the caches their first run left (same call,
               or --cache-dir): the time to the first step of a user's second start
@@ -52,10 +52,10 @@ from lightning_adaptiveload.scheduling.verification import held_bytes  # noqa: E
 RUNS = {
     "baseline": ("h200_fsdp_baseline.yaml", {}),
     "eager": ("h200_fsdp.yaml", {"compile": None}),
-    "compiled": ("h200_fsdp.yaml", {}),
-    "compiled95": ("h200_fsdp.yaml", {"max_memory_fraction": 0.95}),
+    "compiled": ("h200_fsdp.yaml", {"compile": "auto"}),
+    "compiled95": ("h200_fsdp.yaml", {"compile": "auto", "max_memory_fraction": 0.95}),
     "eager_again": ("h200_fsdp.yaml", {"compile": None}),
-    "compiled_again": ("h200_fsdp.yaml", {}),
+    "compiled_again": ("h200_fsdp.yaml", {"compile": "auto"}),
 }
 # A second run of a config, on the first one's caches (calibration_cache.json, compile_cache/): what a
 # user's next start of the same config waits

@@ -35,13 +35,12 @@ import logging
 import os
 import platform
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from lightning_adaptiveload.scheduling.model_io import write_json
+from lightning_adaptiveload.scheduling.model_io import write_bytes, write_json
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +180,7 @@ class CompileCache:
                   "artifacts": {kind: len(keys) for kind, keys in info.artifacts.items()},
                   "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                   "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        _write_bytes(self.bundle_path, data)
+        write_bytes(self.bundle_path, data)
         write_json(self.record_path, record)
         self._held = artifacts
         self._info(f"CompileCache: saved {len(artifacts)} compile artifacts ({_by_kind(info.artifacts)}), "
@@ -196,16 +195,3 @@ class CompileCache:
 
 def _by_kind(artifacts: dict[str, list[str]]) -> str:
     return ", ".join(f"{len(keys)} {kind}" for kind, keys in sorted(artifacts.items()))
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` under a unique name beside `path` and rename it into place (folders made)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -32,19 +32,24 @@ def read_json(path) -> object:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def write_json(path, doc: dict) -> None:
-    """Write `doc` as indented JSON (NaN refused: write null) under a unique name and rename it into
-    place, folders made as needed."""
+def write_bytes(path, data: bytes) -> None:
+    """Write `data` under a unique name beside `path` and rename it into place (folders made as
+    needed): a reader sees the old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json(path, doc: dict) -> None:
+    """Write `doc` as indented JSON (NaN refused: write null), atomically (`write_bytes`)."""
+    write_bytes(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode("utf-8"))
 
 
 class JsonDocument:

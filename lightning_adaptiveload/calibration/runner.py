@@ -146,6 +146,11 @@ class StepRunner:
         if (self.agree(oom) if self.trainer.world_size > 1 else oom):
             raise AgreedOutOfMemory
 
+    def training_step(self, batch):
+        """The user's training_step of a batch already on the device, through the strategy (its
+        wrapper and the precision's autocast), with batch_idx only if the hook declares it."""
+        return self.strategy.training_step(batch, 0) if self._with_idx else self.strategy.training_step(batch)
+
     def step(self, batch) -> float:
         """ms of one training step as Lightning's automatic optimization runs it, without the optimizer
         step, synchronized: the forward (`training_step`) with the previous step's gradients still
@@ -161,7 +166,7 @@ class StepRunner:
         output = loss = None
         oom = False
         try:
-            output = strategy.training_step(batch, 0) if self._with_idx else strategy.training_step(batch)
+            output = self.training_step(batch)
             loss = output["loss"] if isinstance(output, dict) else output
         except torch.OutOfMemoryError:
             oom = True

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_adaptiveload._validation import require_int
 from lightning_adaptiveload.attention.backends import (attention_backend, candidate_backends, install_router,
@@ -112,8 +111,8 @@ class AttentionBackends(Callback):
         if not buckets:
             raise ValueError(f"AttentionBackends(plan={MEASURE!r}): the datamodule's bucket table has no buckets")
         begin = time.perf_counter()
-        with StepRunner(trainer, pl_module):  # train mode, no logging; RNG, buffers and grads restored after
-            calls = bucket_calls(trainer, pl_module, datamodule, buckets)
+        with StepRunner(trainer, pl_module) as runner:  # train mode, no logging; RNG, buffers, grads restored after
+            calls = bucket_calls(runner, datamodule, buckets)
         doc = error = None
         if trainer.is_global_zero:
             try:
@@ -171,21 +170,16 @@ class AttentionBackends(Callback):
             step.close()
 
 
-def bucket_calls(trainer: Trainer, pl_module: LightningModule, datamodule,
-                 buckets: Mapping[int, int]) -> dict[int, list[SdpaCall]]:
+def bucket_calls(runner: StepRunner, datamodule, buckets: Mapping[int, int]) -> dict[int, list[SdpaCall]]:
     """seq_len -> the attention calls (with counts) of one training step's forward of a batch of
     buckets[seq_len] samples, from `datamodule.synthetic_batch` batches run through the strategy's
     training_step without grad (so activation checkpointing recomputes nothing and counts stay per
     forward). Two probes derive every bucket's calls (`CallTemplate`); where they cannot, each bucket
-    is recorded directly. Call inside a `StepRunner`."""
-    strategy = trainer.strategy
-    with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-
+    is recorded directly. `runner`: an entered StepRunner (its training_step, state restored after)."""
     def record(seq_len: int, batch_size: int) -> list[SdpaCall]:
-        batch = strategy.batch_to_device(datamodule.synthetic_batch(seq_len, batch_size))
+        batch = runner.strategy.batch_to_device(datamodule.synthetic_batch(seq_len, batch_size))
         with torch.no_grad():
-            calls = record_sdpa_calls(lambda: strategy.training_step(batch, 0) if with_idx
-                                      else strategy.training_step(batch))
+            calls = record_sdpa_calls(lambda: runner.training_step(batch))
         if not calls:
             raise ValueError(f"AttentionBackends(plan={MEASURE!r}): the model made no "
                              f"scaled_dot_product_attention call at B={batch_size}, S={seq_len}")

@@ -27,6 +27,7 @@ from lightning_adaptiveload.calibration.result import CalibrationResult
 from lightning_adaptiveload.calibration.runner import StepRunner, agree
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
+from lightning_adaptiveload.compile_cache import device_name
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
@@ -148,7 +149,7 @@ def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckp
         "strategy": type(trainer.strategy).__name__,
         "precision": str(trainer.precision),
         "world_size": int(trainer.world_size),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "device": device_name(device),
         "grid": [list(p) for p in grid],
         "depths": None if switch is None else [switch.num_blocks, switch.num_blocks // 2],
         "warmup": config.warmup,

@@ -100,7 +100,6 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
         raise ValueError(f"seq_lens must be a non-empty 1-D array, got shape {seq_lens.shape}")
     seq_lens = np.array([require_int("seq_lens[i]", s) for s in seq_lens], dtype=np.int64)
     budget = _budget(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
-    limited = [int(s) in (limits or {}) for s in seq_lens]
     bucket_limits = [(limits or {}).get(int(s)) or UNLIMITED for s in seq_lens]
     n, num_blocks = len(seq_lens), memory_model.num_blocks
     static = np.asarray(memory_model.predict(np.zeros(n), seq_lens), dtype=np.float64)  # m0: no batch's memory
@@ -137,7 +136,7 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
         k = np.maximum(k, limit.depth_floor(b, num_blocks))
         ok = k <= num_blocks
         if not ok.any():
-            if limited[i] and limit.depth_floor(1, num_blocks) <= num_blocks:
+            if limit is not UNLIMITED and limit.depth_floor(1, num_blocks) <= num_blocks:
                 fits[i] = True
                 batch[i], time_ms[i] = 1, float(cost_model.predict(1, seq_lens[i], num_blocks))
             continue

@@ -233,14 +233,23 @@ def _peak_over_verified(shapes: list[dict], samples: np.ndarray, seq_len: np.nda
     return out
 
 
+def logged_metric(metrics_csv: Path, name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows of a CSVLogger metrics.csv that logged `name` (empty lists when the
+    file is absent)."""
+    steps, values = [], []
+    if not metrics_csv.exists():
+        return steps, values
+    with open(metrics_csv, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            if row.get(name):
+                steps.append(int(row["step"]))
+                values.append(float(row[name]))
+    return steps, values
+
+
 def _time_to_first_step(log_dir: Path) -> float | None:
     """LoadBalanceMonitor's startup/time_to_first_step_s from the run's metrics.csv (None if absent)."""
-    path = log_dir / "metrics.csv"
-    if not path.exists():
-        return None
-    with open(path, newline="") as f:
-        values = [float(row["startup/time_to_first_step_s"]) for row in csv.DictReader(f)
-                  if row.get("startup/time_to_first_step_s")]
+    values = logged_metric(log_dir / "metrics.csv", "startup/time_to_first_step_s")[1]
     return values[0] if values else None
 
 

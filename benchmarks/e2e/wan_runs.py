@@ -44,7 +44,6 @@ samples, and the loss curves' agreement over the common steps.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import shutil
@@ -56,7 +55,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
-from benchmarks.e2e.shipped_config import as_benchmark_run, common_sample_speedup, launch, summarize_run  # noqa: E402
+from benchmarks.e2e.shipped_config import (as_benchmark_run, common_sample_speedup, launch,  # noqa: E402
+                                           logged_metric, summarize_run)
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.scheduling import metrics  # noqa: E402
 
@@ -121,12 +121,7 @@ def fused_blocks(config: dict, log_dir: Path) -> dict:
 
 def read_losses(metrics_csv: Path) -> dict:
     """train/loss per logged step of a CSVLogger metrics.csv: {"step": [...], "loss": [...]}."""
-    steps, losses = [], []
-    with open(metrics_csv, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            if row.get("train/loss"):
-                steps.append(int(row["step"]))
-                losses.append(float(row["train/loss"]))
+    steps, losses = logged_metric(metrics_csv, "train/loss")
     return {"step": steps, "loss": losses}
 
 

@@ -55,8 +55,8 @@ class Plan(Protocol):
 
     def predict(self, shape: ScheduledShape) -> tuple[float | None, float | None]:
         """(step ms, peak bytes) the models predict for a shape (None where there is no model); the
-        verifier corrects the peak to held memory with the bucket's BucketLimit.held (its static
-        part is the prediction extrapolated to B = 0: the memory model is affine in B)."""
+        verifier corrects the peak to held memory with the bucket's BucketLimit.held, its static part
+        being the prediction at batch_size 0 (which `predict` must accept)."""
 
     def refit(self, verification: Verification) -> None:
         """Fit the models again on everything measured (a shape did not fit)."""
@@ -240,13 +240,13 @@ class PlanVerifier:
                 pinned=self.pinned.get(s))
 
     def _prediction(self, b: int, latent_shape, k: int | None) -> tuple[float, float] | None:
-        """(static, peak): the model's peak at (B, latent, k) and its static part, the peak at B = 0 (the
-        model is affine in B: 2 peak(1) - peak(2)); None without a memory model."""
+        """(static, peak): the model's peak at (B, latent, k) and its static part, its prediction at
+        B = 0 (what no batch holds: parameters, gradients, optimizer state; as depth_choice takes it);
+        None without a memory model."""
         peak = self.plan.predict(ScheduledShape(b, latent_shape, 0, k))[1]
         if peak is None:
             return None
-        one, two = (self.plan.predict(ScheduledShape(n, latent_shape, 0, k))[1] for n in (1, 2))
-        return 2 * one - two, peak
+        return self.plan.predict(ScheduledShape(0, latent_shape, 0, k))[1], peak
 
     def _ratio(self, m: MeasuredShape, gap: float) -> float | None:
         """Measured over predicted activation bytes of a shape that ran, (held - gap - static) /

@@ -133,12 +133,42 @@ def _update_is_zero_at_lr_0(optimizer: torch.optim.Optimizer) -> bool:
     return all(states_per_param(optimizer, group) is not None for group in optimizer.param_groups)
 
 
+def _first_step(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's first step at learning rate 0 on zero gradients, which creates its state; its
+    learning rates, gradients and parameters are as before afterwards. Its own function so that
+    nothing it held (the gradients it set aside, a host copy) outlives it: the caller's steps that
+    follow must hold only what training holds."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    host_copy = None if _update_is_zero_at_lr_0(optimizer) else [p.detach().to("cpu", copy=True) for p in params]
+    saved_grads = [p.grad for p in params]
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+        if host_copy is not None:
+            with torch.no_grad():
+                for p, copy in zip(params, host_copy):
+                    p.copy_(copy)
+
+
 @contextlib.contextmanager
 def optimizer_state_present(optimizers: list[torch.optim.Optimizer], device: torch.device
                             ) -> Iterator[MaterializedState]:
     """Inside, every optimizer that held no state holds the state its first step creates; on exit it
     holds none again and its learning rates, gradients (None) and parameters are as before. An
-    optimizer that already holds state (a resumed run) is left alone."""
+    optimizer that already holds state (a resumed run) is left alone. Nothing else is kept alive
+    inside: the gradients present on entry are the parameters' own again, freed when a step replaces
+    them (a list of them kept across the `yield` held one gradient copy, 5.3 GiB at 1.3B parameters,
+    in every verified peak of the H200 runs before 2026-12-03: peaks 4.7% above training's)."""
     cuda = device.type == "cuda"
     fresh = [opt for opt in optimizers if not any(len(state) for state in opt.state.values())]
     if cuda:
@@ -146,26 +176,7 @@ def optimizer_state_present(optimizers: list[torch.optim.Optimizer], device: tor
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     for optimizer in fresh:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        host_copy = None if _update_is_zero_at_lr_0(optimizer) else [p.detach().to("cpu", copy=True) for p in params]
-        saved_grads = [p.grad for p in params]
-        saved_lrs = [group["lr"] for group in optimizer.param_groups]
-        try:
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            for group in optimizer.param_groups:
-                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-            with torch.no_grad():
-                optimizer.step()
-        finally:
-            for group, lr in zip(optimizer.param_groups, saved_lrs):
-                group["lr"] = lr
-            for p, grad in zip(params, saved_grads):
-                p.grad = grad
-            if host_copy is not None:
-                with torch.no_grad():
-                    for p, copy in zip(params, host_copy):
-                        p.copy_(copy)
+        _first_step(optimizer)
     if cuda:
         torch.cuda.synchronize(device)
         state = MaterializedState(torch.cuda.memory_allocated(device) - before,

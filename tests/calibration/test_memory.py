@@ -2,6 +2,8 @@
 optimizer and parameters are exactly as before afterwards (the next real step is bit-identical to a
 twin's that never went through it)."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -84,6 +86,23 @@ def test_state_that_is_there_already_is_left_alone_and_gradients_are_kept():
             assert torch.equal(torch.as_tensor(after["state"][key][name]), torch.as_tensor(tensor))
 
 
+@pytest.mark.parametrize("name", ["adamw", "unknown"])
+def test_the_gradients_held_on_entry_are_freed_when_a_step_inside_replaces_them(name):
+    """Verification enters with calibration's last gradients held and its steps replace them (set to
+    None before backward, then new ones): nothing of the context may keep the old ones alive, or every
+    verified peak holds one gradient copy that training does not."""
+    net = model()
+    optimizer = OPTIMIZERS[name](net.parameters())
+    net(torch.randn(3, 7, dtype=torch.float64)).square().sum().backward()
+    entry = [weakref.ref(p.grad) for p in net.parameters()]
+    with optimizer_state_present([optimizer], torch.device("cpu")):
+        assert all(ref() is p.grad for ref, p in zip(entry, net.parameters()))  # restored, not copies
+        for p in net.parameters():
+            p.grad = None  # what a verified step does before its backward
+        gc.collect()
+        assert all(ref() is None for ref in entry)
+
+
 @pytest.mark.cuda
 def test_on_cuda_the_state_is_measured_by_the_allocator_and_the_step_peak_recorded():
     device = torch.device("cuda")
@@ -103,3 +122,23 @@ def test_on_cuda_the_state_is_measured_by_the_allocator_and_the_step_peak_record
     real_step(twin, twin_optimizer, x)
     for p, q in zip(net.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.cuda
+def test_on_cuda_inside_the_device_holds_the_state_and_no_copy_of_the_entry_gradients():
+    """The allocator's view of the leak the CPU test above checks by reference: with the gradients
+    dropped inside, the device holds what it held on entry, less those gradients, plus the state."""
+    device = torch.device("cuda")
+    net = model().to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(4, 7, dtype=torch.float64, device=device)).square().sum().backward()
+    rounded = lambda t: -(-t.numel() * t.element_size() // 512) * 512  # noqa: E731 - allocator blocks
+    grad_bytes = sum(rounded(p.grad) for p in net.parameters())
+    torch.cuda.synchronize(device)
+    entry = torch.cuda.memory_allocated(device)
+    with optimizer_state_present([optimizer], device) as state:
+        for p in net.parameters():
+            p.grad = None
+        gc.collect()
+        torch.cuda.synchronize(device)
+        assert torch.cuda.memory_allocated(device) == entry - grad_bytes + state.state_bytes

@@ -124,14 +124,16 @@ def test_an_out_of_memory_step_on_one_rank_is_agreed_on_by_every_rank_without_a_
 @pytest.mark.cuda
 def test_on_cuda_the_held_gradients_add_their_bytes_to_the_peak():
     """The peak of a measured step exceeds that of a step whose gradients were dropped before its
-    forward by up to the gradient bytes: at the forward's end activations and gradients are held
-    together, while the dropped step's backward peak holds some gradients already (those of the
-    last layers, computed before the first layers' activations are freed) and backward's own
-    temporaries. Many layers of small activations (1024 rows): the gradients of L - 1 layers
-    (~250 MB) outweigh backward's temporaries of one layer (a few activations, ~25 MB), which at
-    8 layers of 4096 rows they did not (the H200 run of 2026-12-03 measured no difference there)."""
+    forward by most of the gradient bytes. The measured step's peak is at its forward's end:
+    parameters, gradients (held) and every activation. The dropped step's is at its backward's start
+    (parameters, activations and a few activation-sized temporaries), when the activations of a
+    layer (4096 rows x 1024: 16.8 MB) outweigh its gradients (4.2 MB): backward then frees more each
+    layer than it allocates. So held - dropped = the gradients (64 layers: 269 MB) less a few
+    temporaries (~50 MB). The H200 runs of 2026-12-03 sized it wrongly twice: 8 layers of 4096
+    rows measured no difference, 16 layers of 1024 rows x 2048 measured 84 MB of 269 (gradients larger
+    than activations per layer: the dropped step's backward peak, at its end, holds them all)."""
     device = torch.device("cuda")
-    module = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).to(device)
+    module = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(64)]).to(device)
     module.training_step = lambda batch: module(batch).square().mean()
     module.log = module.log_dict = None
     module.at_pre_backward = []
@@ -139,7 +141,7 @@ def test_on_cuda_the_held_gradients_add_their_bytes_to_the_peak():
                                     world_size=1, is_global_zero=True)
     trainer.strategy.root_device = device
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    batch = torch.randn(1024, 2048, device=device)
+    batch = torch.randn(4096, 1024, device=device)
     with StepRunner(trainer, module) as runner:
         held = runner.measure(lambda: batch, warmup=0, repeats=1, empty_cache=True)["peak_bytes"]
         runner.zero_grad()

@@ -132,7 +132,7 @@ class Calibration:
             memory = None if memory_terms is None else MemoryPlanResult(
                 False, ("the cost model was given: no memory measured",), None, None, *memory_terms)
         else:
-            points, source = self._points(grid)
+            points, source = self._points(grid, eager=not compiled)
             cost_model, reasons, m_mem, memory = self._fit(points, memory_terms)
             if source is Source.CHECKPOINT and memory is not None and self.restored_models is not None:
                 # the models the resumed run planned with, refits by its verification included
@@ -141,14 +141,19 @@ class Calibration:
             if reasons and source is Source.MEASURED:
                 self.warn("CostModelCalibration: the fit is not trusted (" + "; ".join(reasons) + "); measuring "
                           f"again with {REMEASURE_REPEATS * config.repeats} repeats per point")
-                points, source = self._sweep(grid, REMEASURE_REPEATS * config.repeats), Source.MEASURED_AGAIN
+                points, source = self._sweep(grid, REMEASURE_REPEATS * config.repeats, not compiled), Source.MEASURED_AGAIN
                 cost_model, reasons, m_mem, memory = self._fit(points, memory_terms)
         self.memory = self._apply(cost_model, reasons, m_mem, memory)
         calibration_s = time.perf_counter() - start
         outcome, state = None, None
         verify_start = time.perf_counter()
         if config.verify:
-            outcome, state = self._verify(points, None if reasons else cost_model)
+            # the kernels of the grid's (B, S) are built in this process when it measured them; a
+            # compiled model may compile again on any new shape, so its cold steps never stand for warm ones
+            measured_here = source in (Source.MEASURED, Source.MEASURED_AGAIN)
+            built = None if compiled else {(p["batch_size"], p["seq_len"]) for p in points
+                                           if measured_here and p["status"] == "ok"}
+            outcome, state = self._verify(points, None if reasons else cost_model, built)
         return CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
                                  m_mem=m_mem, memory=self.memory, verification=outcome,
                                  optimizer_state=state, calibration_s=calibration_s,
@@ -157,7 +162,7 @@ class Calibration:
                                  recompile_limit=recompile_limit)
 
     # ---- 1. measure -----------------------------------------------------------------------------
-    def _points(self, grid: list[tuple[int, int]]) -> tuple[list[dict], Source]:
+    def _points(self, grid: list[tuple[int, int]], eager: bool) -> tuple[list[dict], Source]:
         """The grid's points and where they come from: the checkpoint of a resumed fit, a cache with
         this key, or a new measurement."""
         if self.restored_points is not None:  # every rank loaded the same checkpoint
@@ -169,16 +174,16 @@ class Calibration:
             self.info(f"CostModelCalibration: reusing {self.cache_path} (same model, strategy, precision, world size, "
                       "device and grid); no benchmark run")
             return cached["points"], Source.CACHE
-        return self._sweep(grid, self.config.repeats), Source.MEASURED
+        return self._sweep(grid, self.config.repeats, eager), Source.MEASURED
 
-    def _sweep(self, grid: list[tuple[int, int]], repeats: int) -> list[dict]:
+    def _sweep(self, grid: list[tuple[int, int]], repeats: int, eager: bool) -> list[dict]:
         config, switch = self.config, self.switch
         points = sweep(self.runner, lambda s, b: self.datamodule.synthetic_batch(s, b), grid,
                        batch_sizes=config.batch_sizes, max_tokens=config.max_tokens, warmup=config.warmup,
                        repeats=repeats, time_budget_s=config.time_budget_s,
                        memory_limit=config.max_memory_fraction * self.device_bytes,
                        checkpointed=self.grid_checkpointed,
-                       checkpointing=None if switch is None else switch.checkpointing, progress=self.info)
+                       checkpointing=None if switch is None else switch.checkpointing, progress=self.info, eager=eager)
         self.cold_s += sum(p.get("cold_ms", 0.0) for p in points) / 1e3
         return points
 
@@ -264,7 +269,7 @@ class Calibration:
         return memory
 
     # ---- 4. verify ------------------------------------------------------------------------------
-    def _verify(self, points: list[dict], cost_model: CostModel | None
+    def _verify(self, points: list[dict], cost_model: CostModel | None, built: set[tuple[int, int]] | None
                 ) -> tuple[VerifyOutcome | None, MaterializedState | None]:
         datamodule = self.datamodule
         if not isinstance(datamodule, ShapeListing):
@@ -284,7 +289,7 @@ class Calibration:
                           f"GiB and its state holds {state.state_bytes / 2**30:.2f} GiB; every shape below runs with it")
             verifier = PlanVerifier(plan.measure, plan, budget_bytes=budget, device_bytes=self.device_bytes,
                                     num_blocks=None if self.switch is None else self.switch.num_blocks,
-                                    max_rounds=self.config.verify_rounds, progress=self.info)
+                                    max_rounds=self.config.verify_rounds, progress=self.info, built=built)
             outcome = verifier.run(prior, frozen)
         if outcome.unresolved:
             self.warn(f"CostModelCalibration: {len(outcome.unresolved)} scheduled bucket(s) did not fit in "
@@ -370,20 +375,19 @@ class _DataModulePlan:
                     float(memory.memory_model.predict(shape.batch_size, s, k)))
         return (None if self.cost_model is None else float(self.cost_model.predict(shape.batch_size, s))), None
 
-    def measure(self, shape: ScheduledShape, warm: bool = True) -> dict:
-        """The shape's first (cold) and, with `warm`, second (warm) training step, from an empty
-        allocator cache, at its depth (no depth: every block checkpointed, as training runs it
-        without a plan)."""
+    def measure(self, shape: ScheduledShape, warm: bool) -> dict:
+        """One training step of the shape at its depth (no depth: every block checkpointed, as
+        training runs it without a plan): the first (cold) one from an empty allocator cache, or with
+        `warm` the next one, the allocator's blocks kept (verify.PlanVerifier's measure)."""
         switch = self.switch
         checkpointed = None if switch is None else (switch.num_blocks if shape.checkpointed is None else shape.checkpointed)
         with switch.checkpointing(checkpointed) if switch is not None else contextlib.nullcontext():
             raw = self.runner.measure(lambda: self.datamodule.synthetic_batch(tuple(shape.latent_shape), shape.batch_size),
-                                      warmup=int(warm), repeats=1, empty_cache=True)
+                                      warmup=0, repeats=1, empty_cache=not warm)
         if raw["status"] != "ok":
             return raw
-        out = {"status": "ok", "cold_ms": raw["first_ms"], "peak_bytes": raw["peak_bytes"],
-               "reserved_bytes": raw["reserved_bytes"]}
-        return {**out, "warm_ms": raw["time_ms"]} if warm else out
+        return {"status": "ok", "warm_ms" if warm else "cold_ms": raw["time_ms"], "peak_bytes": raw["peak_bytes"],
+                "reserved_bytes": raw["reserved_bytes"]}
 
     def refit(self, verification: Verification) -> None:
         """The memory and depth models fitted again on the grid points and every measured shape with

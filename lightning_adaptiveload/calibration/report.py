@@ -177,9 +177,12 @@ def format_verification(result: CalibrationResult) -> str:
         line += f"; {len(outcome.unresolved)} bucket(s) UNRESOLVED"
     if outcome.left_cold:
         line += f"; {outcome.left_cold} partial batch shape(s) left cold"
-    excess = [m.cold_ms - m.warm_ms for m in shapes if m.fits]
+    excess = [m.cold_ms - m.warm_ms for m in shapes if m.fits and not m.timed_cold]
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
+    one_step = sum(m.timed_cold for m in shapes if m.round > 0 and m.ran)
+    if one_step:
+        line += f"; {one_step} shape(s) run one step only (over the budget, or a long step of a (B, S) already built)"
     return line
 
 

@@ -30,7 +30,8 @@ def point_line(point: dict) -> str:
     return f"{point['time_ms']:.2f} ms" if point["status"] == "ok" else point["status"]
 
 
-def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, repeats: int, settle: bool) -> dict:
+def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, repeats: int, settle: bool,
+                  built: bool = False) -> dict:
     """One grid point's fields: status, and for steps that ran time_ms (median of the timed steps),
     cold_ms (the first step: with its kernel builds, or its compilation in a compiled model),
     peak_bytes and reserved_bytes (the allocator's allocated and reserved peaks over every step, or
@@ -42,7 +43,10 @@ def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, rep
     (config.LONG_STEP_MS: a step that long varies by a small fraction of itself, and each extra step
     would cost seconds); otherwise the remaining warmup - 1 untimed steps and `repeats` timed ones
     follow. With warmup 0 the first step is timed with the others. settle: untimed steps until two
-    agree first (runner.settle), after the first step."""
+    agree first (runner.settle), after the first step. built: the step's kernels are built (an eager
+    model's (B, S) measured just before at another depth): a long first step is then the point's
+    time, and no other step runs (its first step added 12-22 ms to 2.1-2.4 s on an H200, from an
+    empty allocator cache; benchmarks/results/gpu_session8/eager/calibration.json)."""
     if warmup == 0:
         raw = runner.measure(batch_fn, 0, repeats, settle=settle, empty_cache=True)
         return {"status": raw["status"]} if raw["status"] != "ok" else {
@@ -52,6 +56,9 @@ def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, rep
     if cold["status"] != "ok":
         return {"status": cold["status"]}
     long_step = cold["first_ms"] >= LONG_STEP_MS  # max over ranks: every rank takes the same branch
+    if long_step and built:
+        return {"status": "ok", "time_ms": cold["first_ms"], "cold_ms": cold["first_ms"], "peak_bytes": cold["peak_bytes"],
+                "reserved_bytes": cold["reserved_bytes"], "repeats": 1}
     timed = 1 if long_step else repeats
     # the allocator holds this point's own blocks now: its reserved peak stays the point's own
     warm = runner.measure(batch_fn, 0 if long_step else warmup - 1, timed, settle=settle)
@@ -91,7 +98,7 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
           batch_sizes: tuple[int, ...], max_tokens: int | None, warmup: int, repeats: int, time_budget_s: float,
           memory_limit: float | None, checkpointed: tuple[int, int] | None,
           checkpointing: Callable[[int], ContextManager] | None, progress: Callable[[str], None],
-          clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+          eager: bool = False, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """The grid's points in order, each at k = checkpointed[0] (L, every block checkpointed; None
     without a switch); with checkpointed, each required point that fits is measured again right after
     (the same (B, S) for the time ratio, and right after for the same machine state) at k =
@@ -106,7 +113,8 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
     compiled model's compilation of each new shape never costs grid points. Every point records
     its cold_ms (measure_point). On CPU (runner.device) each point is measured with one timed step
     and revisited `repeats` - 1 times after the grid, its fastest step counting (`revisit`); the
-    revisits are outside the budget (one step per point and pass).
+    revisits are outside the budget (one step per point and pass). eager: no region of the model is
+    compiled, so a deeper point's long first step is its time (measure_point's `built`).
     """
     required = set(required_points(sorted({s for _, s in grid}), list(batch_sizes), max_tokens))
     every_block, half = checkpointed if checkpointed is not None else (None, None)
@@ -116,9 +124,9 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
     # on CPU a point's repeats are spread over the sweep (revisit): one timed step now, the rest later
     spread = runner.device.type == "cpu" and repeats > 1
 
-    def measure(b: int, s: int, k: int | None, settle: bool) -> dict:
+    def measure(b: int, s: int, k: int | None, settle: bool, built: bool = False) -> dict:
         with checkpointing(k) if checkpointing is not None else contextlib.nullcontext():
-            return measure_point(runner, lambda: batch_fn(s, b), warmup, 1 if spread else repeats, settle)
+            return measure_point(runner, lambda: batch_fn(s, b), warmup, 1 if spread else repeats, settle, built)
 
     def deeper(i: int, b: int, s: int, k: int) -> dict:
         point = {"batch_size": b, "seq_len": s, "checkpointed": k}
@@ -127,7 +135,7 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
         elif memory_limit is not None and forecast_held_bytes(points, b, s, k, every_block) > memory_limit:
             point["status"] = "predicted_oom"
         else:
-            point.update(measure(b, s, k, settle=False))
+            point.update(measure(b, s, k, settle=False, built=eager))
         points.append(point)
         progress(f"calibration {i + 1}/{len(grid)}: B={b} S={s} k={k} " + point_line(point))
         return point

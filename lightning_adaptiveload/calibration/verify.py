@@ -6,8 +6,10 @@ batch sizes it never held (on an H200 the shipped config planned k = 0 and B up 
 k = 30 and 15, and ran out of memory in training). Verification measures what the plan will run:
 
     round r:  the bucket table and its scheduled shapes (full batches, then partial ones)
-              -> run each shape not measured yet, cold then warm (`measure`), its held memory
-                 (max of allocated and reserved peak) against the budget; a shape whose corrected
+              -> run each shape not measured yet, its held memory (max of allocated and reserved
+                 peak) against the budget: one cold step from an empty allocator cache, then one warm
+                 step for its time (`_steps`: none for a shape over the budget, or for a long step
+                 whose kernels an earlier step of its (B, S) built); a shape whose corrected
                  prediction exceeds the device is not run (predicted_oom)
               -> a bucket whose full batch fits is pinned at it; every bucket's BucketLimit is
                  derived from its measurements (`_relimit`): the frontier of what they prove (a
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from lightning_adaptiveload.calibration.config import LONG_STEP_MS
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification, held_bytes
 
@@ -96,11 +99,15 @@ MIN_SCALE = 0.5
 class PlanVerifier:
     """Runs the verification rounds (module docstring).
 
-    measure(shape, warm=True) -> {"status": "ok", "cold_ms", "warm_ms", "peak_bytes", "reserved_bytes"}
-    or {"status": "oom"} (warm=False: one step only, no "warm_ms"); budget_bytes: the memory a step may
-    hold (its reserved peak included); device_bytes: the device's memory (what an out-of-memory step
-    needed at least; a shape predicted above it is not run); num_blocks: the switchable blocks L (None
-    without per-bucket checkpointing); max_rounds: rounds that may re-plan; progress: a line per shape.
+    measure(shape, warm=False) -> {"status": "ok", "cold_ms", "peak_bytes", "reserved_bytes"}: one step
+    from an empty allocator cache; measure(shape, warm=True) -> {"status": "ok", "warm_ms", "peak_bytes",
+    "reserved_bytes"}: one more step right after it, caches kept; either {"status": "oom"}.
+    budget_bytes: the memory a step may hold (its reserved peak included); device_bytes: the device's
+    memory (what an out-of-memory step needed at least; a shape predicted above it is not run);
+    num_blocks: the switchable blocks L (None without per-bucket checkpointing); max_rounds: rounds
+    that may re-plan; progress: a line per shape. built: the (B, S) whose kernels earlier steps of this
+    process built (calibration's grid points; the verified shapes join it), None when a step of a new
+    shape may compile (a compiled model): then every shape that fits gets its warm step.
 
     A bucket's target is its largest scheduled batch at its depth (the table's B, or all of a bucket
     smaller than one batch; a bucket the epoch never schedules has none); targets are measured first,
@@ -113,8 +120,10 @@ class PlanVerifier:
 
     def __init__(self, measure: Callable[..., dict], plan: Plan, *, budget_bytes: float,
                  device_bytes: float, num_blocks: int | None, max_rounds: int = 3,
-                 progress: Callable[[str], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 progress: Callable[[str], None] | None = None, built: Iterable[tuple[int, int]] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.measure, self.plan = measure, plan
+        self.built = None if built is None else {(int(b), int(s)) for b, s in built}
         self.budget_bytes, self.device_bytes, self.num_blocks = float(budget_bytes), float(device_bytes), num_blocks
         self.max_rounds = int(max_rounds)
         self.progress = progress or (lambda line: None)
@@ -180,11 +189,13 @@ class PlanVerifier:
         stale = []
         for i, (seq_len, shape) in enumerate(recorded):
             raw = self.measure(shape, warm=False)
+            if self.built is not None:
+                self.built.add((int(shape.batch_size), int(seq_len)))
             fits = self._status(raw) == "fits"
             note = f"{raw['cold_ms']:.1f} ms cold, fits as recorded" if fits else "NO LONGER FITS"
             if not fits:  # recorded anew as what it is now (its one step's time stands for both), and re-planned
                 stale.append(shape)
-                note += self._record_failure(seq_len, self._run(seq_len, shape, rnd, {**raw, "warm_ms": raw.get("cold_ms")}))
+                note += self._record_failure(seq_len, self._run(seq_len, shape, rnd, _cold_only(raw)))
             self.progress(f"verify round {rnd} (recorded), {i + 1}/{len(recorded)}: {_describe(shape)}: {note}")
         if stale:
             self._relimit()
@@ -349,15 +360,38 @@ class PlanVerifier:
         if raw is None and not last_resort and predicted_held is not None and predicted_held > self.device_bytes:
             measured = MeasuredShape(status="predicted_oom", **common)
         else:
-            raw = self.measure(shape) if raw is None else raw
+            raw = self._steps(seq_len, shape) if raw is None else raw
             status = self._status(raw)
             if status == "oom":
                 measured = MeasuredShape(status="oom", **common)
             else:
                 measured = MeasuredShape(status=status, warm_ms=raw["warm_ms"], cold_ms=raw["cold_ms"],
-                                         peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"), **common)
+                                         peak_bytes=raw["peak_bytes"], reserved_bytes=raw.get("reserved_bytes"),
+                                         timed_cold=raw.get("timed_cold", False), **common)
         self.shapes[measured.key] = measured
         return measured
+
+    def _steps(self, seq_len: int, shape: ScheduledShape) -> dict:
+        """A shape's steps: the cold one, then a warm one for its time unless that is not needed or
+        known already: a shape over the budget is never scheduled, and a long step (LONG_STEP_MS or
+        more, the long-step rule) whose (B, S) an earlier step ran at another depth or latent shape
+        costs no more cold than warm (its kernels are built; what the cold step adds then is the
+        allocator refilling from an empty cache: -2 to +15 ms on 2-10 s steps on an H200, where a new
+        (B, S) added 65-131 ms; docs/memory.md). The first step of a new (B, S) always gets its warm step."""
+        key = (int(shape.batch_size), int(seq_len))
+        cold = self.measure(shape, warm=False)
+        if cold["status"] != "ok":
+            return cold
+        built = self.built is not None and key in self.built
+        if self.built is not None:
+            self.built.add(key)
+        if self._status(cold) != "fits" or (built and cold["cold_ms"] >= LONG_STEP_MS):
+            return _cold_only(cold)
+        warm = self.measure(shape, warm=True)
+        if warm["status"] != "ok":
+            return warm
+        return {**cold, "warm_ms": warm["warm_ms"], "peak_bytes": max(cold["peak_bytes"], warm["peak_bytes"]),
+                "reserved_bytes": _larger(cold.get("reserved_bytes"), warm.get("reserved_bytes"))}
 
     def _status(self, raw: dict) -> str:
         """verification.STATUSES of a measurement: its peak, allocated or reserved, against the budget."""
@@ -434,6 +468,16 @@ class PlanVerifier:
         return [ScheduledShape(b, target.latent_shape, 0, k) for b in sizes]
 
 
+def _cold_only(raw: dict) -> dict:
+    """A one-step measurement whose cold step's time stands for its warm time (MeasuredShape.timed_cold);
+    an out-of-memory one as it is."""
+    return {**raw, "warm_ms": raw["cold_ms"], "timed_cold": True} if raw["status"] == "ok" else raw
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else max(v for v in (a, b) if v is not None)
+
+
 def _nearest(known: list[tuple[int, float]], k: int) -> float:
     """The largest ratio of `known` (depth, ratio) pairs at the depth nearest k; 0 when there are none."""
     if not known:
@@ -455,5 +499,6 @@ def _result(m: MeasuredShape) -> str:
         return "out of memory"
     if m.status == "predicted_oom":
         return f"not run: predicted to hold {m.predicted_peak_bytes / 2**30:.2f} GiB, more than the device"
-    return (f"{m.warm_ms:.1f} ms warm ({m.cold_ms:.1f} cold), peak {m.peak_bytes / 2**30:.2f} GiB allocated / "
+    timing = f"{m.cold_ms:.1f} ms (one step)" if m.timed_cold else f"{m.warm_ms:.1f} ms warm ({m.cold_ms:.1f} cold)"
+    return (f"{timing}, peak {m.peak_bytes / 2**30:.2f} GiB allocated / "
             f"{(m.reserved_bytes or m.peak_bytes) / 2**30:.2f} reserved" + ("" if m.fits else ", over the budget"))

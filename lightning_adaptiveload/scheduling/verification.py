@@ -57,7 +57,9 @@ class MeasuredShape:
     device memory, reserved_bytes: the allocator's peak reserved memory (what fragmentation adds
     shows as reserved - allocated), both None for an out-of-memory shape. predicted_ms,
     predicted_peak_bytes: what the plan expected when it was measured. round: the verification
-    round that measured it (1-based).
+    round that measured it (1-based). timed_cold: only the first step ran, and warm_ms is its time
+    (a shape over the budget, whose time no plan uses; a long step whose (B, S) an earlier step had
+    built the kernels of; a recorded shape checked again).
     """
 
     batch_size: int
@@ -72,6 +74,7 @@ class MeasuredShape:
     predicted_ms: float | None = None
     predicted_peak_bytes: float | None = None
     round: int = 1
+    timed_cold: bool = False
 
     def __post_init__(self):
         require_int("batch_size", self.batch_size)
@@ -83,6 +86,8 @@ class MeasuredShape:
             object.__setattr__(self, "latent_shape", tuple(require_int("latent_shape", v) for v in self.latent_shape))
         for name in ("warm_ms", "cold_ms", "peak_bytes", "reserved_bytes", "predicted_ms", "predicted_peak_bytes"):
             object.__setattr__(self, name, _optional_number(name, getattr(self, name)))
+        if not isinstance(self.timed_cold, bool):
+            raise ValueError(f"timed_cold must be true or false, got {self.timed_cold!r}")
         if self.status not in ("oom", "predicted_oom") and (self.warm_ms is None or self.peak_bytes is None):
             raise ValueError(f"a {self.status!r} shape needs warm_ms and peak_bytes")
 

@@ -146,6 +146,32 @@ def test_long_steps_get_one_warm_step_and_short_ones_the_configured_steps():
     assert any(p["batch_size"] * p["seq_len"] >= long_tokens for p in points)
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_in_an_eager_model_a_deeper_long_point_is_timed_on_its_one_step(eager):
+    """A deeper point (k = L/2 and the low depth) follows its (B, S) at k = L: in an eager model its
+    kernels are built, so a long first step is the point's time and no second step runs; at k = L, for
+    short steps, and in a compiled model (eager False: a new depth may compile) the warm step runs."""
+    runner = FakeRunner(np.random.default_rng(5), u=1.0)  # S = 4096 steps take over LONG_STEP_MS, S = 256 do not
+    grid = [(1, 256), (1, 4096)]
+    points = sweep(runner, lambda s, b: {"b": b, "s": s}, grid, batch_sizes=(1,), max_tokens=None, warmup=1,
+                   repeats=2, time_budget_s=1e9, memory_limit=None, checkpointed=(L, L // 2),
+                   checkpointing=runner.checkpointing, progress=lambda line: None, eager=eager,
+                   clock=lambda: runner.now)
+    calls: dict[tuple, int] = {}
+    for b, s, k, *_ in runner.calls:
+        calls[(b, s, k)] = calls.get((b, s, k), 0) + 1
+    deeper_long = [p for p in points if p["seq_len"] == 4096 and p["checkpointed"] < L]
+    assert len(deeper_long) == 2 and all(p["status"] == "ok" for p in points)
+    for p in points:
+        key = (p["batch_size"], p["seq_len"], p["checkpointed"])
+        one_step = eager and p in deeper_long
+        assert calls[key] == (1 if one_step else 2), key
+        assert (p["time_ms"] == p["cold_ms"]) == one_step
+        assert p["time_ms"] >= runner.step_ms(*key)  # the fake's step time, whichever step it is
+        if one_step:
+            assert p["repeats"] == 1 and p["time_ms"] >= LONG_STEP_MS
+
+
 def test_warmup_0_times_the_first_step_with_the_others_in_one_call():
     runner = FakeRunner(np.random.default_rng(2))
     point = measure_point(runner, lambda: {"b": 2, "s": 64}, warmup=0, repeats=3, settle=False)

@@ -4,6 +4,7 @@ out, and a recorded verification (cache, resume)."""
 import numpy as np
 import pytest
 
+from lightning_adaptiveload.calibration.config import LONG_STEP_MS
 from lightning_adaptiveload.calibration.verify import PlanVerifier
 from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel
@@ -146,10 +147,51 @@ def test_a_plan_whose_peaks_are_predicted_low_is_planned_again_until_every_targe
         if s in over:  # re-planned off the failure's quadrant: a smaller B or more blocks checkpointed
             b0, _, k0 = before[s]
             assert (b0, k0) in limit.failed and (b < b0 or k > k0)
-    # every scheduled shape ran, full batches first; each measured with a warm step
+    # every scheduled shape ran, full batches first; each a cold step, then a warm one when it fitted
+    # (these steps are short: no long-step rule), none for a shape over the budget
     assert {(x.batch_size, plan.seq_len(x.latent_shape), x.checkpointed) for x in plan.shapes()} <= \
         {(m.batch_size, m.seq_len, m.checkpointed) for m in outcome.verification.shapes}
-    assert all(warm for *_, warm in plan.measured) and outcome.left_cold == 0
+    cold = [call[:3] for call in plan.measured if not call[3]]
+    warm = [call[:3] for call in plan.measured if call[3]]
+    fitted = {m.key for m in outcome.verification.shapes if m.fits}
+    assert len(cold) == len(set(cold)) and set(warm) == fitted and len(warm) == len(fitted)
+    assert all(m.timed_cold == (m.status == "over_budget") for m in outcome.verification.shapes
+               if m.status in ("fits", "over_budget"))
+    assert outcome.left_cold == 0
+
+
+def test_a_long_step_of_a_batch_shape_already_built_runs_once_and_a_new_one_gets_its_warm_step():
+    """The long-step rule of verification: a shape whose cold step takes LONG_STEP_MS or more and whose
+    (B, S) an earlier step of the process ran (`built`) is timed on its one cold step; a shape of a new
+    (B, S), a short one, or any shape when `built` is None (a compiled model) gets its warm step."""
+    memory, depth = models()
+    plan = FakePlan(memory, depth, true_scale=1.0)
+    long = {4096, 9408, 32760}  # these buckets' steps take LONG_STEP_MS more than the fake's times
+
+    def measure(shape, warm):
+        raw = plan.measure(shape, warm)
+        if raw["status"] == "ok" and plan.seq_len(shape.latent_shape) in long:
+            raw = {**raw, **{k: raw[k] + LONG_STEP_MS for k in ("cold_ms", "warm_ms") if k in raw}}
+        return raw
+
+    shapes = plan.shapes()
+    built = {(x.batch_size, plan.seq_len(x.latent_shape)) for x in shapes[::2]}
+    outcome = PlanVerifier(measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L,
+                           built=set(built)).run()
+    measured = [m for m in outcome.verification.shapes if m.fits]
+    assert outcome.converged and measured
+    long_built = {m.key for m in measured if (m.batch_size, m.seq_len) in built and m.seq_len in long}
+    assert long_built and long_built != {m.key for m in measured}  # the rule applies to some shapes, not all
+    for m in measured:
+        assert m.timed_cold == (m.key in long_built), m
+        assert m.timed_cold or m.warm_ms < m.cold_ms  # a warm step's own time, not the cold one's
+    warm_calls = [(b, s, k) for b, s, k, warm in plan.measured if warm]
+    assert len(warm_calls) == len(measured) - len(long_built)
+
+    plan.measured.clear()
+    plan.verification = None
+    again = PlanVerifier(measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L, built=None).run()
+    assert not any(m.timed_cold for m in again.verification.shapes if m.fits)
 
 
 def test_out_of_memory_steps_count_as_needing_the_whole_device():

@@ -92,7 +92,7 @@ class FakeH200:
                 float(self.memory_model().predict(shape.batch_size, s, shape.checkpointed)))
 
     def measure(self, shape, warm=True):
-        self.runs += 1
+        self.runs += not warm  # shapes run: each starts with its cold step
         s = self.seq_len(shape.latent_shape)
         allocated, held = true_allocated(shape.batch_size, s, shape.checkpointed), true_held(shape.batch_size, s,
                                                                                            shape.checkpointed)

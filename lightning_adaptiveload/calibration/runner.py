@@ -82,6 +82,15 @@ class StepRunner:
 
     def __enter__(self) -> "StepRunner":
         module = self.pl_module
+        # measure() collects garbage before each empty_cache (cycles that pin device memory): a full
+        # collection of a process with torch and lightning loaded scans ~440,000 objects (250 ms on a
+        # 2-core host, ~55 times per calibration). What exists now is collected once and frozen, so
+        # each later collection scans only what the steps made; leaving unfreezes it (unless the
+        # caller had frozen the heap itself: then it stays as the caller left it).
+        self._froze_heap = gc.get_freeze_count() == 0
+        if self._froze_heap:
+            gc.collect()
+            gc.freeze()
         self._rng = _rng_state()
         self._modes = {m: m.training for m in module.modules()}
         self._buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
@@ -100,6 +109,8 @@ class StepRunner:
                 buffer.copy_(self._buffers[name])
         self.zero_grad()
         _set_rng_state(self._rng)
+        if self._froze_heap:
+            gc.unfreeze()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -134,6 +134,7 @@ def test_on_cuda_inside_the_device_holds_the_state_and_no_copy_of_the_entry_grad
     net(torch.randn(4, 7, dtype=torch.float64, device=device)).square().sum().backward()
     rounded = lambda t: -(-t.numel() * t.element_size() // 512) * 512  # noqa: E731 - allocator blocks
     grad_bytes = sum(rounded(p.grad) for p in net.parameters())
+    gc.collect()  # what earlier tests left in garbage cycles, freed before the entry is read
     torch.cuda.synchronize(device)
     entry = torch.cuda.memory_allocated(device)
     with optimizer_state_present([optimizer], device) as state:

@@ -152,3 +152,44 @@ def test_on_cuda_the_held_gradients_add_their_bytes_to_the_peak():
         del loss
         dropped = torch.cuda.max_memory_allocated()
     assert 0.5 * grad_bytes <= held - dropped <= 1.02 * grad_bytes
+
+
+def test_inside_the_runner_collections_scan_only_what_the_steps_made_and_leaving_restores_the_heap():
+    """measure()'s collection before each empty_cache: the heap that existed on entry is collected once
+    (its garbage cycles, which may pin device memory, freed) and frozen, so each collection inside scans
+    only new objects, and a cycle made inside is still collected; leaving unfreezes the heap, and a heap
+    the caller had frozen is left frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        a.tensor = torch.randn(16)
+        return weakref.ref(a)
+
+    assert gc.get_freeze_count() == 0
+    before = cycle()  # garbage when the runner is entered
+    assert before() is not None
+    runner = runner_for(Tiny())
+    with runner:
+        assert before() is None  # collected on entry, not frozen with the rest
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the modules loaded so far
+        inside = cycle()
+        assert len(gc.get_objects()) < 10_000 <= frozen  # a collection's scan: the objects made inside only
+        gc.collect()
+        assert inside() is None
+        runner.measure(lambda: torch.randn(4, 8), warmup=0, repeats=1)
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()
+    try:
+        with runner_for(Tiny()):
+            pass
+        assert gc.get_freeze_count() > 0  # the caller's freeze stands
+    finally:
+        gc.unfreeze()

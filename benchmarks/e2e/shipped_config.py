@@ -7,7 +7,8 @@
 Each run is `adaptiveload fit --config ...` in a fresh process with `--trainer.devices 1`, one epoch
 (`max_epochs 1`, no step limit) over the same `--samples` synthetic samples of the reference mix
 (written once per workdir: the shards are a function of the seed, so separate calls train on the same
-samples), calibration `time_budget_s`, `warmup`, `repeats` the same in every run:
+samples), calibration `time_budget_s` the same in every run (`warmup`, `repeats` as each config ships
+them unless given):
 
   baseline    examples/configs/h200_fsdp_baseline.yaml: every block checkpointed, eager, partial batches dropped
   eager       examples/configs/h200_fsdp.yaml as shipped (model.compile null, memory plan, budget 0.85)
@@ -69,7 +70,7 @@ def as_benchmark_run(config: dict, name: str, args: argparse.Namespace) -> dict:
     """`config` (a shipped YAML, loaded; changed in place and returned) as run `name` of a benchmark:
     one device, one epoch of at most `args.max_steps` steps, logged every `args.log_every`, its files
     under `args.workdir`/name (logger version 0, launch() keeps its calibration cache there), the
-    calibration's `time_budget_s`, `warmup` and `repeats` from `args`, and the shards every run of the
+    calibration's `time_budget_s` (and `warmup`, `repeats` where given) from `args`, and the shards every run of the
     workdir shares (`args.samples` synthetic samples, seed 0: the same samples in every run)."""
     root = str(Path(args.workdir) / name)
     trainer = config["trainer"]
@@ -78,7 +79,8 @@ def as_benchmark_run(config: dict, name: str, args: argparse.Namespace) -> dict:
     trainer["logger"]["init_args"].update(save_dir=root, name="logs", version=0)
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("CostModelCalibration"):
-            callback["init_args"].update(time_budget_s=args.time_budget_s, warmup=args.warmup, repeats=args.repeats,
+            given = {k: v for k, v in (("warmup", args.warmup), ("repeats", args.repeats)) if v is not None}
+            callback["init_args"].update(time_budget_s=args.time_budget_s, **given,
                                          cache_path=str(Path(root) / "calibration_cache.json"))
     config["data"]["init_args"].update(shards=str(Path(args.workdir) / "shards"),
                                        index=str(Path(args.workdir) / "index.jsonl"), synthesize=args.samples, seed=0)
@@ -343,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="/tmp/shipped_config")
     parser.add_argument("--cache-dir", default=None, help="keep each run's calibration cache here between calls")
     parser.add_argument("--time-budget-s", type=float, default=60.0)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None, help="calibration's warm-up steps (default: the config's)")
+    parser.add_argument("--repeats", type=int, default=None, help="calibration's timed steps (default: the config's)")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop the epoch early (a short check, not a result)")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)

@@ -46,7 +46,7 @@ def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, rep
     agree first (runner.settle), after the first step. built: the step's kernels are built (an eager
     model's (B, S) measured just before at another depth): a long first step is then the point's
     time, and no other step runs (its first step added 12-22 ms to 2.1-2.4 s on an H200, from an
-    empty allocator cache; benchmarks/results/gpu_session8/eager/calibration.json)."""
+    empty allocator cache; benchmarks/results/gpu_session8/eager_call1/calibration.json)."""
     if warmup == 0:
         raw = runner.measure(batch_fn, 0, repeats, settle=settle, empty_cache=True)
         return {"status": raw["status"]} if raw["status"] != "ok" else {

@@ -300,7 +300,7 @@ class Calibration:
             self.warn(f"CostModelCalibration: {len(outcome.settled)} bucket(s) still did not fit after "
                       f"{self.config.verify_rounds} re-plans and were settled on their safest measured batch "
                       f"({', '.join(map(str, outcome.settled))} tokens); a trusted fit is cached with this settled plan: a "
-                      f"later run checks each of its shapes once")
+                      f"later run checks each of its shapes near the budget once")
         return outcome, state
 
     def _prior(self, budget: float) -> tuple[Verification | None, bool]:

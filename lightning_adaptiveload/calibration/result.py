@@ -79,7 +79,7 @@ class CalibrationResult:
         """Whether the record may be cached for later runs: measured now, trusted, and (where it ran)
         verified without a bucket left unresolved. A plan verification settled (a bucket pinned on its
         safest batch measured to fit after the last re-plan) is cached with its verification: every
-        pinned shape was measured to fit, so a later run checks each once (loop.Calibration._prior)
+        pinned shape was measured to fit, so a later run checks each near the budget once (verify.RECHECK_MARGIN)
         instead of running every round again. A plan with an unresolved bucket is never reused."""
         verified = self.verification is None or not self.verification.unresolved
         return self.source.measured and self.trusted and verified

@@ -180,7 +180,7 @@ def format_verification(result: CalibrationResult) -> str:
     excess = [m.cold_ms - m.warm_ms for m in shapes if m.fits and not m.timed_cold]
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
-    one_step = sum(m.timed_cold for m in shapes if m.round > 0 and m.ran)
+    one_step = sum(m.timed_cold for m in shapes)
     if one_step:
         line += f"; {one_step} shape(s) run one step only (over the budget, or a long step of a (B, S) already built)"
     return line

@@ -150,9 +150,10 @@ class Calibration:
         if config.verify:
             # the kernels of the grid's (B, S) are built in this process when it measured them; a
             # compiled model may compile again on any new shape, so its cold steps never stand for warm ones
-            measured_here = source in (Source.MEASURED, Source.MEASURED_AGAIN)
-            built = None if compiled else {(p["batch_size"], p["seq_len"]) for p in points
-                                           if measured_here and p["status"] == "ok"}
+            built: set[tuple[int, int]] | None = None
+            if not compiled:
+                built = {(p["batch_size"], p["seq_len"]) for p in points if p["status"] == "ok"} \
+                    if source in (Source.MEASURED, Source.MEASURED_AGAIN) else set()
             outcome, state = self._verify(points, None if reasons else cost_model, built)
         return CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
                                  m_mem=m_mem, memory=self.memory, verification=outcome,

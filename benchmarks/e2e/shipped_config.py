@@ -194,7 +194,9 @@ def summarize_run(log_dir: Path) -> dict:
         "memory_plan_used": bool((calibration.get("memory_plan") or {}).get("used")),
         "allocator": calibration.get("allocator"),
         "verification": {k: verification.get(k) for k in ("rounds", "converged", "settled", "unresolved", "left_cold")}
-        | {"shapes": len(over), "replanned": sum(m["status"] != "fits" for m in over),
+        | {"shapes": len(over), "run": sum(m["status"] not in ("bounded", "predicted_oom") for m in over),
+           "bounded": sum(m["status"] == "bounded" for m in over),
+           "replanned": sum(m["status"] not in ("fits", "bounded") for m in over),
            "out_of_memory": sum(m["status"] == "oom" for m in over),
            "optimizer_state": verification.get("optimizer_state")},
         "steps": int(len(samples)), "samples_trained": int(samples.sum()), "tokens": float(tokens.sum()),
@@ -220,10 +222,18 @@ def _peak_over_verified(shapes: list[dict], samples: np.ndarray, seq_len: np.nda
     allocated, reserved) against held: the largest ratio - 1 and the steps more than 1% over, per
     quantity. A step's reserved peak includes what the allocator kept cached from earlier, larger
     steps (verification measures each shape from an empty cache), so the held ratio of a small step
-    after a large one says nothing about that step. None without verified shapes or peaks."""
-    verified = {}
-    for m in sorted((m for m in shapes if m["status"] == "fits"), key=lambda m: m["round"]):
-        verified[(int(m["batch_size"]), int(m["seq_len"]))] = (m["peak_bytes"], held_bytes(m["peak_bytes"], m.get("reserved_bytes")))
+    after a large one says nothing about that step. A bounded shape (not run) is held to the peaks of
+    the shape that bounds it. None without verified shapes or peaks."""
+    verified, ran = {}, {}
+    for m in sorted(shapes, key=lambda m: m["round"]):
+        if m["status"] == "fits":
+            peaks = (m["peak_bytes"], held_bytes(m["peak_bytes"], m.get("reserved_bytes")))
+            ran[(int(m["batch_size"]), int(m["seq_len"]), m["checkpointed"])] = peaks
+            verified[(int(m["batch_size"]), int(m["seq_len"]))] = peaks
+    for m in shapes:
+        if m["status"] == "bounded" and (int(m["batch_size"]), int(m["seq_len"])) not in verified:
+            b, s, k = m["bound_by"]
+            verified[(int(m["batch_size"]), int(m["seq_len"]))] = ran[(int(b), int(s), k)]
     rows = [(verified[(int(b), int(s))], a, held_bytes(a, r)) for b, s, a, r in zip(samples, seq_len, allocated, reserved)
             if (int(b), int(s)) in verified and np.isfinite(a)]
     if not rows:

@@ -20,7 +20,8 @@ CallTemplate), so the kernels see the model's own layouts (strides).
    sample (latent 21 x 90 x 160, B = 1) in eager under each backend (strict: only that kernel runs),
    with the fused AdaLN surgery when the CUDA op loads (else plain) and `--checkpointed` of the 30 blocks
    activation-checkpointed (default all: the only depth known to fit at this length without a memory
-   plan). Model FLOPs of a step (useful: the recomputation of checkpointed blocks is not counted):
+   plan), each checkpointed block keeping its attention's outputs or recomputing them (`--save-attention
+   on off`: both, in that order, per backend; lightning_adaptiveload.checkpointing). Model FLOPs of a step (useful: the recomputation of checkpointed blocks is not counted):
        linears  6 * sum over nn.Linear and the Conv3d patch embedding of (weight entries x the rows it
                 is applied to: video tokens, text tokens or samples), i.e. 6 * params * tokens per layer
                 (counted by shape on fake tensors);
@@ -155,8 +156,6 @@ def step_rows(model: VideoDiT, config: DiTConfig, args, size: dict, calls: list[
              "attention_share": attention / (linear + attention)}
     print(f"step FLOPs: linears {linear / 1e12:.4g} T + attention {attention / 1e12:.4g} T "
           f"({flops['attention_share']:.0%} attention)", flush=True)
-    switch = BlockCheckpointing(model.blocks)
-    switch.set_checkpointed(args.checkpointed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = make_inputs(config, text_len, 1, latent, device, seed=1)
 
@@ -168,15 +167,17 @@ def step_rows(model: VideoDiT, config: DiTConfig, args, size: dict, calls: list[
         optimizer.zero_grad(set_to_none=True)
 
     rows, last_ms = [], None
-    for name in order:
+    for name, keep in ((name, keep) for name in order for keep in args.save_attention):
+        BlockCheckpointing(model.blocks, save_attention=keep == "on").set_checkpointed(args.checkpointed)
+        label = f"{name}, attention {'kept' if keep == 'on' else 'recomputed'}"
         steps = args.step_warmup + args.step_repeats
         left = deadline - time.perf_counter()
         if last_ms is not None and left < steps * last_ms / 1e3:
-            rows.append({"backend": name, "ms": None, "error": f"skipped: {left:.0f} s left of --budget-s, "
-                                                               f"{steps} steps of ~{last_ms / 1e3:.1f} s needed"})
-            print(f"  {name}: {rows[-1]['error']}", flush=True)
+            rows.append({"backend": name, "save_attention": keep == "on", "ms": None,
+                         "error": f"skipped: {left:.0f} s left of --budget-s, {steps} steps of ~{last_ms / 1e3:.1f} s needed"})
+            print(f"  {label}: {rows[-1]['error']}", flush=True)
             continue
-        row = {"backend": name, "ms": None, "error": None}
+        row = {"backend": name, "save_attention": keep == "on", "ms": None, "error": None}
         try:
             with attention_backend(name, strict=True):
                 begin = time.perf_counter()
@@ -188,11 +189,11 @@ def step_rows(model: VideoDiT, config: DiTConfig, args, size: dict, calls: list[
                 row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
                 torch.cuda.reset_peak_memory_stats(device)
             last_ms = ms
-            print(f"  {name}: step {ms:.1f} ms, {row['model_tflops']:.3g} TFLOP/s useful, "
+            print(f"  {label}: step {ms:.1f} ms, {row['model_tflops']:.3g} TFLOP/s useful, "
                   f"{row['utilisation']:.1%} of the matmul rate", flush=True)
         except (RuntimeError, torch.OutOfMemoryError) as e:  # a refused call, OOM: recorded, the others still run
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-            print(f"  {name}: FAILED {row['error']}", flush=True)
+            print(f"  {label}: FAILED {row['error']}", flush=True)
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":
@@ -221,7 +222,8 @@ def plot(doc: dict, path: Path) -> None:
     left.set_title("self-attention, one call, B=1")
     left.legend(fontsize=8)
     steps = [r for r in doc["step"]["backends"] if r["ms"] is not None]
-    right.bar([r["backend"] for r in steps], [100 * r["utilisation"] for r in steps])
+    right.bar([r["backend"] + ("" if r.get("save_attention", True) else "\n(recompute)") for r in steps],
+              [100 * r["utilisation"] for r in steps])
     for i, r in enumerate(steps):
         right.text(i, 100 * r["utilisation"], f"{r['ms'] / 1e3:.2f} s", ha="center", va="bottom", fontsize=8)
     right.axhline(60, color="gray", ls=":", label="60% (issue 29)")
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model and shapes (tests the pipeline)")
     parser.add_argument("--budget-s", type=float, default=170.0, help="whole run; steps that would not fit are skipped")
     parser.add_argument("--checkpointed", type=int, default=None, help="blocks checkpointed in the step (default: all)")
+    parser.add_argument("--save-attention", nargs="+", choices=["on", "off"], default=["on"],
+                        help="checkpointed blocks keep their attention's outputs (on) or recompute them (off); both: on off")
     parser.add_argument("--kernel-warmup", type=int, default=2)
     parser.add_argument("--kernel-repeats", type=int, default=5)
     parser.add_argument("--step-warmup", type=int, default=1)
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         order = list(dict.fromkeys(([default] if default in backends else []) + ran
                                    + [n for n in backends if n not in ran]))
         print(f"training step, latent {size['step_latent']} (S={step_s}), B=1, {args.checkpointed} of "
-              f"{config.num_layers} blocks checkpointed, {surgery}; torch picks {default}:", flush=True)
+              f"{config.num_layers} blocks checkpointed, {surgery}; torch picks {default}; attention kept: "
+              f"{' / '.join(args.save_attention)}:", flush=True)
         flops, rows = step_rows(model, config, args, size, step_calls, order, rate["tflops"], device, deadline)
         doc["step"] = {"checkpointed": args.checkpointed, "num_blocks": config.num_layers, "surgery": surgery,
                        "optimizer": "AdamW (fused on CUDA)", "torch_default": default, "flops": flops,

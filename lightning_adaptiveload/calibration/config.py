@@ -23,6 +23,24 @@ DEFAULT_MIN_WORK_CORRELATION = 0.2
 # (launch latency, clock and allocator jitter: milliseconds) is small against seconds, while each
 # extra warm-up or repeat costs seconds per point (the 1.3B model's long buckets on an H200).
 LONG_STEP_MS = 2000.0
+# A first step this long is its own time even at a (B, S) no earlier step built: what a new shape's
+# first step adds (kernel and cuDNN graph builds, the allocator refilling) was 170-350 ms on an H200
+# (B = 1 at S = 32,400 and 75,600, B = 2 at 32,400: 2,960 / 11,308 / 5,698 ms cold against 2,700 /
+# 11,135 / 5,351 warm; benchmarks/results/gpu_session8/eager/calibration.json), under 4.5% of 8 s,
+# while the warm step it saves is the longest step of a calibration (11 s of its 98 s there).
+COLD_STANDS_MS = 8000.0
+
+
+def cold_step_stands(cold_ms: float, built: bool | None) -> bool:
+    """Whether a shape's first (cold) step stands for its warm time, so no warm step runs, in an eager
+    model: a long step (LONG_STEP_MS) whose (B, S) an earlier step built the kernels of (`built`), or
+    a very long one (COLD_STANDS_MS) whatever was built. built None: a compiled model, whose first step
+    of a new shape may hold its compilation (seconds to a minute): never. Calibration's grid points and
+    verification's shapes both follow it; cold_ms is agreed over ranks (the maximum), so every rank
+    decides alike."""
+    if built is None:
+        return False
+    return cold_ms >= COLD_STANDS_MS or (built and cold_ms >= LONG_STEP_MS)
 
 
 @dataclass(frozen=True)

@@ -175,14 +175,18 @@ def format_verification(result: CalibrationResult) -> str:
             + ("converged" if outcome.converged else f"settled {len(outcome.settled)} bucket(s) on their safest batch"))
     if outcome.unresolved:
         line += f"; {len(outcome.unresolved)} bucket(s) UNRESOLVED"
+    bounded = sum(m.status == "bounded" for m in shapes)
+    if bounded:
+        line += f"; {bounded} shape(s) not run, bounded by a larger one that fit"
     if outcome.left_cold:
-        line += f"; {outcome.left_cold} partial batch shape(s) left cold"
-    excess = [m.cold_ms - m.warm_ms for m in shapes if m.fits and not m.timed_cold]
+        line += f"; {outcome.left_cold} scheduled shape(s) left cold (first step in training)"
+    excess = [m.cold_ms - m.warm_ms for m in shapes if m.ran and m.fits and not m.timed_cold]
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
     one_step = sum(m.timed_cold for m in shapes)
     if one_step:
-        line += f"; {one_step} shape(s) run one step only (over the budget, or a long step of a (B, S) already built)"
+        line += (f"; {one_step} shape(s) run one step only (over the budget, or a long step whose first step "
+                 f"stands for its time)")
     return line
 
 
@@ -201,12 +205,15 @@ def describe_rounds(shapes, settled: bool) -> str:
         failed = [m for m in ran if not m.fits]
         what = ("the buckets' batches" if r == min(by_round) else "settling" if settled and r == last
                 else "the re-planned batches" if replanned else "partial batches")
-        skipped = len(by_round[r]) - len(ran)
+        skipped = sum(m.status == "predicted_oom" for m in by_round[r])
+        bounded = sum(m.status == "bounded" for m in by_round[r])
         text = f"round {r} ({what}): {len(ran)} run"
         text += (f", {len(failed)} did not fit ({sum(m.status == 'oom' for m in failed)} out of memory) -> re-planned"
                  if failed else ", all fit")
         if skipped:
             text += f", {skipped} predicted over the device and not run"
+        if bounded:
+            text += f", {bounded} bounded by a larger one and not run"
         parts.append(text)
         replanned = bool(failed) or bool(skipped)
     return "; ".join(parts) or "nothing to run"

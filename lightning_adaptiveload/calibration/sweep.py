@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import ContextManager
 
-from lightning_adaptiveload.calibration.config import LONG_STEP_MS
+from lightning_adaptiveload.calibration.config import LONG_STEP_MS, cold_step_stands
 from lightning_adaptiveload.calibration.grid import (forecast_held_bytes, lowest_fitting_depth, predicted_peak_bytes,
                                                      required_points)
 from lightning_adaptiveload.calibration.protocols import Runner
@@ -31,7 +31,7 @@ def point_line(point: dict) -> str:
 
 
 def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, repeats: int, settle: bool,
-                  built: bool = False) -> dict:
+                  built: bool | None = False) -> dict:
     """One grid point's fields: status, and for steps that ran time_ms (median of the timed steps),
     cold_ms (the first step: with its kernel builds, or its compilation in a compiled model),
     peak_bytes and reserved_bytes (the allocator's allocated and reserved peaks over every step, or
@@ -46,7 +46,9 @@ def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, rep
     agree first (runner.settle), after the first step. built: the step's kernels are built (an eager
     model's (B, S) measured just before at another depth): a long first step is then the point's
     time, and no other step runs (its first step added 12-22 ms to 2.1-2.4 s on an H200, from an
-    empty allocator cache; benchmarks/results/gpu_session8/eager_call1/calibration.json)."""
+    empty allocator cache; benchmarks/results/gpu_session8/eager_call1/calibration.json); so is a very
+    long first step of an eager model whatever was built (config.cold_step_stands); None: a compiled
+    model, whose first step of a shape may hold its compilation and never stands."""
     if warmup == 0:
         raw = runner.measure(batch_fn, 0, repeats, settle=settle, empty_cache=True)
         return {"status": raw["status"]} if raw["status"] != "ok" else {
@@ -56,7 +58,7 @@ def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, rep
     if cold["status"] != "ok":
         return {"status": cold["status"]}
     long_step = cold["first_ms"] >= LONG_STEP_MS  # max over ranks: every rank takes the same branch
-    if long_step and built:
+    if cold_step_stands(cold["first_ms"], built):
         return {"status": "ok", "time_ms": cold["first_ms"], "cold_ms": cold["first_ms"], "peak_bytes": cold["peak_bytes"],
                 "reserved_bytes": cold["reserved_bytes"], "repeats": 1}
     timed = 1 if long_step else repeats
@@ -126,7 +128,8 @@ def sweep(runner: Runner, batch_fn: Callable[[int, int], dict], grid: list[tuple
 
     def measure(b: int, s: int, k: int | None, settle: bool, built: bool = False) -> dict:
         with checkpointing(k) if checkpointing is not None else contextlib.nullcontext():
-            return measure_point(runner, lambda: batch_fn(s, b), warmup, 1 if spread else repeats, settle, built)
+            return measure_point(runner, lambda: batch_fn(s, b), warmup, 1 if spread else repeats, settle,
+                                 built if eager else None)
 
     def deeper(i: int, b: int, s: int, k: int) -> dict:
         point = {"batch_size": b, "seq_len": s, "checkpointed": k}

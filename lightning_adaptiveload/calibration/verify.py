@@ -5,12 +5,15 @@ A plan is a prediction: the memory and time models are fitted on a grid and aske
 batch sizes it never held (on an H200 the shipped config planned k = 0 and B up to 215 from points at
 k = 30 and 15, and ran out of memory in training). Verification measures what the plan will run:
 
-    round r:  the bucket table and its scheduled shapes (full batches, then partial ones)
+    round r:  the bucket table and its scheduled shapes (full batches, then partial ones), most
+              tokens first
               -> run each shape not measured yet, its held memory (max of allocated and reserved
                  peak) against the budget: one cold step from an empty allocator cache, then one warm
-                 step for its time (`_steps`: none for a shape over the budget, or for a long step
-                 whose kernels an earlier step of its (B, S) built); a shape whose corrected
-                 prediction exceeds the device is not run (predicted_oom)
+                 step for its time (`_steps`: none for a shape over the budget, or for a cold step
+                 that stands for its warm time); a shape whose corrected prediction exceeds the device
+                 is not run (predicted_oom), nor one a measured shape bounds (`_bound`: no fewer
+                 samples and tokens at no more blocks checkpointed fit, and its own corrected
+                 prediction lies RECHECK_MARGIN under the budget)
               -> a bucket whose full batch fits is pinned at it; every bucket's BucketLimit is
                  derived from its measurements (`_relimit`): the frontier of what they prove (a
                  failure at (b, k) rules out B >= b at k' <= k, a fit proves B <= b at k' >= k), and
@@ -38,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from lightning_adaptiveload.calibration.config import LONG_STEP_MS
+from lightning_adaptiveload.calibration.config import cold_step_stands
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.verification import BucketLimit, MeasuredShape, Verification, held_bytes
 
@@ -74,8 +77,9 @@ class VerifyOutcome:
     run; converged: every bucket's target batch was measured to fit within max_rounds re-plans;
     settled: buckets (seq_len) settled on a fallback choice after that; unresolved: buckets whose
     scheduled target is still not measured to fit at the end (empty unless the plan cannot take
-    limits: a DataModule without set_verification); left_cold: scheduled shapes never run (partial
-    batches of a verified bucket; their first occurrence pays its kernel builds in training);
+    limits: a DataModule without set_verification); left_cold: scheduled shapes no step ran (bounded
+    ones, partial batches left after MAX_PARTIAL_ROUNDS; their first occurrence pays its kernel builds
+    in training);
     seconds: wall time of the loop."""
 
     verification: Verification
@@ -95,12 +99,15 @@ ACTIVATION_MARGIN = 0.02
 # the activations its bucket measured is not trusted to extrapolate from them.
 MIN_SCALE = 0.5
 # A recorded shape (a cache of this model, device, versions and allocator settings) is run again only
-# when it held within this fraction of the budget: between processes on one H200 the same shape's held
+# when it held within this fraction of the budget, and a shape bounded by a measured larger one is not
+# run when its own corrected prediction lies this fraction under the budget: between processes on one H200 the same shape's held
 # peak moved by at most 1.2 GiB (2.7% of its 44 GiB; those over 100 GiB by at most 0.43 GiB:
 # benchmarks/results/gpu_session8, eager_call1 against eager), so one held 10% under the budget cannot
 # have come to exceed it. In that cached run 16 of the 21 recorded shapes held less, and their checks
 # took 18.8 s of its 53.6 s of verification (the first step of the process, 3.8 s of it, then falls on
-# another shape).
+# another shape). A bounded shape holds no more than its bound up to that same variation between
+# steps, and the margin leaves 10% for it. In that run's first verification 14 of its 21 shapes were
+# bounded so (2 of them partial batches that took a round of their own), 16.5 s of its 61.9 s of steps.
 RECHECK_MARGIN = 0.10
 
 
@@ -119,7 +126,8 @@ class PlanVerifier:
 
     A bucket's target is its largest scheduled batch at its depth (the table's B, or all of a bucket
     smaller than one batch; a bucket the epoch never schedules has none); targets are measured first,
-    the other (partial) batches once every target fits. Rounds that only measure partial batches (they
+    the other (partial) batches once every target fits, each group most tokens (B * S) first, so a
+    shape that may bound others runs before them. Rounds that only measure partial batches (they
     fit: fewer samples than a fitting target) are bounded by MAX_PARTIAL_ROUNDS; what is left then
     stays cold.
     """
@@ -160,8 +168,8 @@ class PlanVerifier:
                     raise RuntimeError(f"verification: {len(stale)} batch shape(s) of the resumed plan no longer fit "
                                        f"(e.g. {_describe(stale[0])}): this device or configuration is not the one the "
                                        f"checkpoint was planned on; resuming would change the epoch's batches")
-                return VerifyOutcome(self._verification(), rounds, True, (), (),
-                                     sum(len(group) for group in self._pending()), self.clock() - start)
+                return VerifyOutcome(self._verification(), rounds, True, (), (), self._left_cold(),
+                                     self.clock() - start)
         while True:
             targets, partial = self._pending()
             if not targets and (not partial or partial_rounds >= self.MAX_PARTIAL_ROUNDS):
@@ -181,9 +189,8 @@ class PlanVerifier:
         if unresolved:
             rounds += 1
             settled = self._settle(unresolved, rounds)
-        left_cold = sum(len(group) for group in self._pending())
         return VerifyOutcome(self._verification(), rounds, not unresolved, settled, tuple(s for s, _ in self._unresolved()),
-                             left_cold, self.clock() - start)
+                             self._left_cold(), self.clock() - start)
 
     def _rewarm(self, prior: Verification, rnd: int) -> list[ScheduledShape]:
         """Seed the loop with `prior`, run once each of its fitting shapes the schedule holds that held
@@ -196,7 +203,7 @@ class PlanVerifier:
         self.plan.apply(self._verification())
         near = (1.0 - RECHECK_MARGIN) * self.budget_bytes
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
-                    if (m := self._measured(seq_len, shape)) is not None and m.fits
+                    if (m := self._measured(seq_len, shape)) is not None and m.ran and m.fits
                     and held_bytes(m.peak_bytes, m.reserved_bytes) >= near]
         stale = []
         for i, (seq_len, shape) in enumerate(recorded):
@@ -210,9 +217,20 @@ class PlanVerifier:
                 note += self._record_failure(seq_len, self._run(seq_len, shape, rnd, _cold_only(raw)))
             self.progress(f"verify round {rnd} (recorded), {i + 1}/{len(recorded)}: {_describe(shape)}: {note}")
         if stale:
+            self._drop_unproven()
             self._relimit()
             self.plan.apply(self._verification())
         return stale
+
+    def _drop_unproven(self) -> None:
+        """Forget the bounded shapes whose bound no longer fits, and the pins they gave their buckets:
+        they are verified again."""
+        for key, m in list(self.shapes.items()):
+            bound = None if m.bound_by is None else self.shapes.get(m.bound_by)
+            if m.status == "bounded" and not (bound is not None and bound.ran and bound.fits):
+                del self.shapes[key]
+                if self.pinned.get(m.seq_len) == (m.batch_size, m.checkpointed):
+                    del self.pinned[m.seq_len]
 
     def _scheduled(self) -> dict[int, list[ScheduledShape]]:
         by_bucket: dict[int, list[ScheduledShape]] = {}
@@ -316,7 +334,8 @@ class PlanVerifier:
         return self.shapes.get((int(shape.batch_size), int(seq_len), shape.checkpointed))
 
     def _pending(self) -> tuple[list[tuple[int, ScheduledShape]], list[tuple[int, ScheduledShape]]]:
-        """(targets, partial): the (seq_len, shape) not measured yet, targets most batches per epoch first."""
+        """(targets, partial): the (seq_len, shape) not measured yet, each most tokens first (ties: fewer
+        blocks checkpointed first), an order in which a shape comes after every shape that can bound it."""
         by_bucket = self._scheduled()
         targets, partial = [], []
         for seq_len, target in self._targets(by_bucket).items():
@@ -324,8 +343,27 @@ class PlanVerifier:
                 targets.append((seq_len, target))
             partial += [(seq_len, shape) for shape in by_bucket.get(seq_len, [])
                         if shape != target and self._measured(seq_len, shape) is None]
-        order = lambda item: (-item[1].batches_per_epoch, item[0], item[1].batch_size)  # noqa: E731
+        order = lambda item: (-item[1].batch_size * item[0], self._depth(item[1].checkpointed), -item[0])  # noqa: E731
         return sorted(targets, key=order), sorted(partial, key=order)
+
+    def _left_cold(self) -> int:
+        """Scheduled shapes no verification step ran (left pending, or bounded): each pays its kernel
+        builds at its first occurrence in training."""
+        return sum(not ((m := self._measured(seq_len, shape)) is not None and m.ran)
+                   for seq_len, group in self._scheduled().items() for shape in group)
+
+    def _bound(self, seq_len: int, shape: ScheduledShape, predicted_held: float | None) -> MeasuredShape | None:
+        """The measured shape that proves `shape` fits without running it, or None: of the shapes that
+        ran and fit with no fewer samples (B), no fewer tokens (S) and no more blocks checkpointed (k),
+        the one that held least, when `shape`'s corrected prediction (predicted_held) lies
+        RECHECK_MARGIN under the budget (what a step holds grows with B and S and falls with k; the
+        margin covers what one step's held memory varies). None without a memory model."""
+        if predicted_held is None or predicted_held > (1.0 - RECHECK_MARGIN) * self.budget_bytes:
+            return None
+        depth = self._depth(shape.checkpointed)
+        bounds = [m for m in self.shapes.values() if m.ran and m.fits and m.batch_size >= shape.batch_size
+                  and m.seq_len >= seq_len and self._depth(m.checkpointed) <= depth]
+        return min(bounds, key=lambda m: m.used_bytes) if bounds else None
 
     def _targets(self, by_bucket: dict[int, list[ScheduledShape]] | None = None) -> dict[int, ScheduledShape]:
         """seq_len -> the shape that decides whether the bucket fits: its largest scheduled batch at its depth."""
@@ -359,7 +397,8 @@ class PlanVerifier:
              last_resort: bool = False) -> MeasuredShape:
         """Measure `shape` (or record `raw`, a measurement made already) and keep it. A shape whose
         corrected prediction exceeds the device is recorded predicted_oom without running: the
-        prediction is the same on every rank, so no rank runs out of memory alone inside a collective.
+        prediction is the same on every rank, so no rank runs out of memory alone inside a collective;
+        one a measured shape bounds (`_bound`) is recorded bounded without running.
         last_resort (B = 1 with every block checkpointed, before a bucket is left out): run whatever the
         prediction, since leaving the bucket and every longer one out on a model's word would drop
         samples that may fit (the runner still agrees on out-of-memory after forward and backward)."""
@@ -369,8 +408,11 @@ class PlanVerifier:
                       latent_shape=None if shape.latent_shape is None else tuple(shape.latent_shape),
                       checkpointed=shape.checkpointed, predicted_ms=predicted_ms,
                       predicted_peak_bytes=predicted_held, round=rnd)
+        bound = None if raw is not None or last_resort else self._bound(seq_len, shape, predicted_held)
         if raw is None and not last_resort and predicted_held is not None and predicted_held > self.device_bytes:
             measured = MeasuredShape(status="predicted_oom", **common)
+        elif bound is not None:
+            measured = MeasuredShape(status="bounded", bound_by=bound.key, **common)
         else:
             raw = self._steps(seq_len, shape) if raw is None else raw
             status = self._status(raw)
@@ -385,19 +427,20 @@ class PlanVerifier:
 
     def _steps(self, seq_len: int, shape: ScheduledShape) -> dict:
         """A shape's steps: the cold one, then a warm one for its time unless that is not needed or
-        known already: a shape over the budget is never scheduled, and a long step (LONG_STEP_MS or
-        more, the long-step rule) whose (B, S) an earlier step ran at another depth or latent shape
-        costs no more cold than warm (its kernels are built; what the cold step adds then is the
-        allocator refilling from an empty cache: -2 to +15 ms on 2-10 s steps on an H200, where a new
-        (B, S) added 65-131 ms; docs/memory.md). The first step of a new (B, S) always gets its warm step."""
+        known already: a shape over the budget is never scheduled, and a cold step that stands for its
+        warm time (config.cold_step_stands): a long step whose (B, S) an earlier step ran at another
+        depth or latent shape costs no more cold than warm (its kernels are built; what the cold step
+        adds then is the allocator refilling from an empty cache: -2 to +15 ms on 2-10 s steps on an
+        H200, where a new (B, S) added 65-131 ms; docs/memory.md), and a very long step's kernel builds
+        are a few percent of it."""
         key = (int(shape.batch_size), int(seq_len))
         cold = self.measure(shape, warm=False)
         if cold["status"] != "ok":
             return cold
-        built = self.built is not None and key in self.built
+        built = None if self.built is None else key in self.built
         if self.built is not None:
             self.built.add(key)
-        if self._status(cold) != "fits" or (built and cold["cold_ms"] >= LONG_STEP_MS):
+        if self._status(cold) != "fits" or cold_step_stands(cold["cold_ms"], built):
             return _cold_only(cold)
         warm = self.measure(shape, warm=True)
         if warm["status"] != "ok":
@@ -511,6 +554,10 @@ def _result(m: MeasuredShape) -> str:
         return "out of memory"
     if m.status == "predicted_oom":
         return f"not run: predicted to hold {m.predicted_peak_bytes / 2**30:.2f} GiB, more than the device"
+    if m.status == "bounded":
+        b, s, k = m.bound_by
+        return (f"not run: fits, bounded by B={b} S={s}" + ("" if k is None else f" k={k}")
+                + f" (predicted {m.predicted_peak_bytes / 2**30:.2f} GiB)")
     timing = f"{m.cold_ms:.1f} ms (one step)" if m.timed_cold else f"{m.warm_ms:.1f} ms warm ({m.cold_ms:.1f} cold)"
     return (f"{timing}, peak {m.peak_bytes / 2**30:.2f} GiB allocated / "
             f"{(m.reserved_bytes or m.peak_bytes) / 2**30:.2f} reserved" + ("" if m.fits else ", over the budget"))

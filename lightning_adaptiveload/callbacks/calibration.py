@@ -137,7 +137,8 @@ DATA_KEYS = ("latent_channels", "text_len", "text_dim")  # DataModule attributes
 def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckpointing | None,
          config: CalibrationConfig) -> dict:
     """What decides the grid's step costs beyond the batch shape (calibration/record.py): the model,
-    the strategy, precision, world size and device, the grid, its depths and steps per point, what
+    the strategy, precision, world size and device, the grid, its depths and what a checkpointed block
+    keeps (its attention's outputs or its inputs only), steps per point, what
     every batch holds beside the latents (the DataModule's latent channels and text (L, D), None where
     it has no such attribute: a text context of another length changes every cross-attention), the
     gradient accumulation (training holds the accumulated gradients while later batches run), the
@@ -152,6 +153,7 @@ def _key(trainer: Trainer, pl_module: LightningModule, grid, switch: BlockCheckp
         "device": device_name(device),
         "grid": [list(p) for p in grid],
         "depths": None if switch is None else [switch.num_blocks, switch.num_blocks // 2],
+        "save_attention": None if switch is None else switch.save_attention,
         "warmup": config.warmup,
         "repeats": config.repeats,
         "data": {name: getattr(datamodule, name, None) for name in DATA_KEYS},

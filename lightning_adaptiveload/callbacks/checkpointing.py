@@ -57,6 +57,9 @@ class PerBucketCheckpointing(Callback):
         None to take the classes of the strategy's `activation_checkpointing_policy`.
     batch_key: the batch entry (a Mapping batch) holding how many blocks to checkpoint; the first k
         blocks in registration order are checkpointed, the last L - k are not (why: docs/memory.md).
+    save_attention: a checkpointed block keeps the outputs of torch's fused attention kernels, so
+        backward recomputes it without its attention (selective checkpointing; the trade, measured:
+        lightning_adaptiveload/checkpointing/switch.py); False recomputes the whole block.
 
     List it after callbacks that patch the blocks' forward (FusedAdaLNSurgery) and before
     CostModelCalibration. `switch` (a BlockCheckpointing) is available from `setup` on, or from
@@ -64,9 +67,10 @@ class PerBucketCheckpointing(Callback):
     """
 
     def __init__(self, block_classes: type | str | Iterable[type | str] | None = None,
-                 batch_key: str = BATCH_KEY) -> None:
+                 batch_key: str = BATCH_KEY, save_attention: bool = True) -> None:
         self.block_classes = None if block_classes is None else resolve_block_classes(block_classes)
         self.batch_key = batch_key
+        self.save_attention = bool(save_attention)
         self.switch: BlockCheckpointing | None = None
         self._select: Callable[[nn.Module], bool] | None = None
 
@@ -86,7 +90,7 @@ class PerBucketCheckpointing(Callback):
     def _wrap(self, pl_module: LightningModule) -> None:
         blocks = find_blocks(pl_module, self._select)
         if blocks:
-            self.switch = BlockCheckpointing(blocks)
+            self.switch = BlockCheckpointing(blocks, save_attention=self.save_attention)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.switch is None:  # the model was built in configure_model, after setup

@@ -243,7 +243,8 @@ class BucketTable:
                 line += f" {row['checkpointed']:>4} {row['peak_bytes'] / 2**20:>10.1f}"
             m = measured.get((row["batch_size"], row["seq_len"], depths[row["seq_len"]]))
             if self.verification is not None:
-                line += (f" {'-':>9} {'not run':>10}" if m is None else f" {'-':>9} {'oom':>10}" if m.peak_bytes is None
+                line += (f" {'-':>9} {'not run':>10}" if m is None else f" {'-':>9} {'bounded':>10}" if m.status == "bounded"
+                         else f" {'-':>9} {'oom':>10}" if m.peak_bytes is None
                          else f" {m.warm_ms:>9.1f} {m.used_bytes / 2**20:>10.1f}")
             # a prediction over the budget matters unless the batch was measured to fit
             if plan is not None and row["peak_bytes"] > plan.budget_bytes and not (m is not None and m.fits):

@@ -24,9 +24,12 @@ from lightning_adaptiveload._validation import is_finite_number, require_choice,
 
 # fits: the step ran with its peak (allocated and reserved) within the budget; over_budget: it ran but
 # its peak exceeded the budget; oom: it ran out of device memory on some rank; predicted_oom: not run,
-# its corrected prediction exceeded the device (every rank decides so alike, so no rank runs out alone).
-STATUSES = ("fits", "over_budget", "oom", "predicted_oom")
+# its corrected prediction exceeded the device (every rank decides so alike, so no rank runs out alone);
+# bounded: not run, it fits because a measured shape of no fewer samples and tokens at no more blocks
+# checkpointed fit (`bound_by`; a step's memory grows with B and S and falls with k).
+STATUSES = ("fits", "over_budget", "oom", "predicted_oom", "bounded")
 FAILED = ("over_budget", "oom", "predicted_oom")
+NOT_RUN = ("predicted_oom", "bounded")
 
 
 def _optional_number(name: str, value) -> float | None:
@@ -58,8 +61,10 @@ class MeasuredShape:
     shows as reserved - allocated), both None for an out-of-memory shape. predicted_ms,
     predicted_peak_bytes: what the plan expected when it was measured. round: the verification
     round that measured it (1-based). timed_cold: only the first step ran, and warm_ms is its time
-    (a shape over the budget, whose time no plan uses; a long step whose (B, S) an earlier step had
-    built the kernels of; a recorded shape checked again).
+    (a shape over the budget, whose time no plan uses; a cold step that stands for its warm time,
+    calibration.config.cold_step_stands; a recorded shape checked again). bound_by: for a bounded
+    shape, the key (B, seq_len, k) of the measured shape that bounds its memory; it has no times or
+    peaks of its own (the plan prices it with the model).
     """
 
     batch_size: int
@@ -75,6 +80,7 @@ class MeasuredShape:
     predicted_peak_bytes: float | None = None
     round: int = 1
     timed_cold: bool = False
+    bound_by: tuple[int, int, int | None] | None = None
 
     def __post_init__(self):
         require_int("batch_size", self.batch_size)
@@ -88,12 +94,24 @@ class MeasuredShape:
             object.__setattr__(self, name, _optional_number(name, getattr(self, name)))
         if not isinstance(self.timed_cold, bool):
             raise ValueError(f"timed_cold must be true or false, got {self.timed_cold!r}")
-        if self.status not in ("oom", "predicted_oom") and (self.warm_ms is None or self.peak_bytes is None):
+        if self.status not in ("oom", *NOT_RUN) and (self.warm_ms is None or self.peak_bytes is None):
             raise ValueError(f"a {self.status!r} shape needs warm_ms and peak_bytes")
+        if (self.status == "bounded") != (self.bound_by is not None):
+            raise ValueError(f"bound_by (the key of the measured shape bounding it) is given for a bounded shape "
+                             f"and only for one: status {self.status!r}, bound_by {self.bound_by!r}")
+        if self.bound_by is not None:
+            try:
+                b, s, k = self.bound_by
+                bound = (require_int("B", b), require_int("seq_len", s),
+                         None if k is None else require_int("k", k, minimum=0))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"bound_by must be a (B, seq_len, k) key: {e}") from e
+            object.__setattr__(self, "bound_by", bound)
 
     @property
     def fits(self) -> bool:
-        return self.status == "fits"
+        """Measured to fit, or bounded by a shape that was."""
+        return self.status in ("fits", "bounded")
 
     @property
     def key(self) -> tuple[int, int, int | None]:
@@ -102,8 +120,8 @@ class MeasuredShape:
 
     @property
     def ran(self) -> bool:
-        """Whether the step ran (a predicted_oom shape was only predicted)."""
-        return self.status != "predicted_oom"
+        """Whether the step ran (a predicted_oom shape was only predicted, a bounded one inferred)."""
+        return self.status not in NOT_RUN
 
     @property
     def gap_bytes(self) -> float | None:
@@ -126,6 +144,7 @@ class MeasuredShape:
     def to_dict(self) -> dict:
         doc = asdict(self)
         doc["latent_shape"] = None if self.latent_shape is None else list(self.latent_shape)
+        doc["bound_by"] = None if self.bound_by is None else list(self.bound_by)
         return doc
 
     @classmethod
@@ -292,9 +311,9 @@ class Verification:
         return self.limits.get(int(seq_len))
 
     def costs(self, model, checkpointed_of: Mapping[int, int | None]) -> "MeasuredCosts":
-        """`MeasuredCosts` over `model` from the shapes that fit at their bucket's depth in `checkpointed_of`
+        """`MeasuredCosts` over `model` from the shapes that ran and fit at their bucket's depth in `checkpointed_of`
         (seq_len -> k of the table, None without a memory plan)."""
-        return MeasuredCosts(model, [m for m in self.shapes if m.fits and m.seq_len in checkpointed_of
+        return MeasuredCosts(model, [m for m in self.shapes if m.ran and m.fits and m.seq_len in checkpointed_of
                                      and m.checkpointed == checkpointed_of[m.seq_len]])
 
     def to_dict(self) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.calibration.config import LONG_STEP_MS
+from lightning_adaptiveload.calibration.config import COLD_STANDS_MS, LONG_STEP_MS
 from lightning_adaptiveload.calibration.fit import fit_memory_models
 from lightning_adaptiveload.calibration.grid import calibration_grid, required_points
 from lightning_adaptiveload.calibration.loop import CPU_MEASUREMENT_THREADS, measurement_threads
@@ -170,6 +170,28 @@ def test_in_an_eager_model_a_deeper_long_point_is_timed_on_its_one_step(eager):
         assert p["time_ms"] >= runner.step_ms(*key)  # the fake's step time, whichever step it is
         if one_step:
             assert p["repeats"] == 1 and p["time_ms"] >= LONG_STEP_MS
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_very_long_first_step_of_an_eager_model_is_its_point_time_at_any_depth(eager):
+    """config.cold_step_stands: a first step of COLD_STANDS_MS or more stands for the point's time even at
+    k = L, where no earlier step built the (B, S); a compiled model's first step (a compilation, maybe) never."""
+    long_tokens = 4096
+    runner = FakeRunner(np.random.default_rng(6),
+                        cold_extra_ms=lambda b, s: COLD_STANDS_MS if b * s >= long_tokens else 1.0)
+    points = sweep(runner, lambda s, b: {"b": b, "s": s}, [(1, 256), (1, 4096)], batch_sizes=(1,), max_tokens=None,
+                   warmup=1, repeats=2, time_budget_s=1e9, memory_limit=None, checkpointed=(L, L // 2),
+                   checkpointing=runner.checkpointing, progress=lambda line: None, eager=eager,
+                   clock=lambda: runner.now)
+    calls: dict[tuple, int] = {}
+    for b, s, k, *_ in runner.calls:
+        calls[(b, s, k)] = calls.get((b, s, k), 0) + 1
+    assert all(p["status"] == "ok" for p in points)
+    for p in points:
+        key = (p["batch_size"], p["seq_len"], p["checkpointed"])
+        one_step = eager and p["seq_len"] == long_tokens
+        assert calls[key] == (1 if one_step else 2), key
+        assert (p["time_ms"] == p["cold_ms"]) == one_step
 
 
 def test_warmup_0_times_the_first_step_with_the_others_in_one_call():

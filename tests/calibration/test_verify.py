@@ -4,7 +4,7 @@ out, and a recorded verification (cache, resume)."""
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.calibration.config import LONG_STEP_MS
+from lightning_adaptiveload.calibration.config import COLD_STANDS_MS, LONG_STEP_MS
 from lightning_adaptiveload.calibration.verify import RECHECK_MARGIN, PlanVerifier
 from lightning_adaptiveload.scheduling.buckets import BucketTable, ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel
@@ -102,6 +102,20 @@ def run(plan, **kw):
     return verifier, verifier.run()
 
 
+def assert_bounds_hold(outcome, plan):
+    """Each bounded shape names a shape that ran and fit with no fewer samples and tokens at no more blocks
+    checkpointed, was predicted RECHECK_MARGIN under the budget, and truly fits on the fake device."""
+    shapes = {m.key: m for m in outcome.verification.shapes}
+    for m in shapes.values():
+        if m.status != "bounded":
+            continue
+        bound = shapes[m.bound_by]
+        assert bound.ran and bound.fits
+        assert bound.batch_size >= m.batch_size and bound.seq_len >= m.seq_len and bound.checkpointed <= m.checkpointed
+        assert m.predicted_peak_bytes <= (1 - RECHECK_MARGIN) * BUDGET
+        assert held_bytes(plan.true_peak(m.batch_size, m.seq_len, m.checkpointed), None) <= BUDGET
+
+
 def test_one_failure_moves_k_by_the_measured_activation_bytes_in_one_jump():
     """A device whose activations are 1.3x the model's and whose allocator reserves 3 GiB more than it
     allocates: after one round each failed bucket's new choice is the fewest blocks checkpointed that
@@ -147,17 +161,19 @@ def test_a_plan_whose_peaks_are_predicted_low_is_planned_again_until_every_targe
         if s in over:  # re-planned off the failure's quadrant: a smaller B or more blocks checkpointed
             b0, _, k0 = before[s]
             assert (b0, k0) in limit.failed and (b < b0 or k > k0)
-    # every scheduled shape ran, full batches first; each a cold step, then a warm one when it fitted
-    # (these steps are short: no long-step rule), none for a shape over the budget
+    # every scheduled shape ran or is bounded by one that ran; each that ran a cold step, then a warm one
+    # when it fitted (these steps are short: no long-step rule), none for a shape over the budget
     assert {(x.batch_size, plan.seq_len(x.latent_shape), x.checkpointed) for x in plan.shapes()} <= \
         {(m.batch_size, m.seq_len, m.checkpointed) for m in outcome.verification.shapes}
     cold = [call[:3] for call in plan.measured if not call[3]]
     warm = [call[:3] for call in plan.measured if call[3]]
-    fitted = {m.key for m in outcome.verification.shapes if m.fits}
+    fitted = {m.key for m in outcome.verification.shapes if m.fits and m.ran}
     assert len(cold) == len(set(cold)) and set(warm) == fitted and len(warm) == len(fitted)
     assert all(m.timed_cold == (m.status == "over_budget") for m in outcome.verification.shapes
                if m.status in ("fits", "over_budget"))
-    assert outcome.left_cold == 0
+    bounded = [m for m in outcome.verification.shapes if m.status == "bounded"]
+    assert bounded and outcome.left_cold == len(bounded)  # partial batches at least: their own bucket's B bounds them
+    assert_bounds_hold(outcome, plan)
 
 
 def test_a_long_step_of_a_batch_shape_already_built_runs_once_and_a_new_one_gets_its_warm_step():
@@ -174,11 +190,11 @@ def test_a_long_step_of_a_batch_shape_already_built_runs_once_and_a_new_one_gets
             raw = {**raw, **{k: raw[k] + LONG_STEP_MS for k in ("cold_ms", "warm_ms") if k in raw}}
         return raw
 
-    shapes = plan.shapes()
-    built = {(x.batch_size, plan.seq_len(x.latent_shape)) for x in shapes[::2]}
+    # the full batches of two long buckets were built (bounded partial batches never run, so none of theirs)
+    built = {(b, s) for s, (b, _, _) in plan.buckets().items() if s in (4096, 9408)}
     outcome = PlanVerifier(measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L,
                            built=set(built)).run()
-    measured = [m for m in outcome.verification.shapes if m.fits]
+    measured = [m for m in outcome.verification.shapes if m.fits and m.ran]
     assert outcome.converged and measured
     long_built = {m.key for m in measured if (m.batch_size, m.seq_len) in built and m.seq_len in long}
     assert long_built and long_built != {m.key for m in measured}  # the rule applies to some shapes, not all
@@ -192,6 +208,35 @@ def test_a_long_step_of_a_batch_shape_already_built_runs_once_and_a_new_one_gets
     plan.verification = None
     again = PlanVerifier(measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L, built=None).run()
     assert not any(m.timed_cold for m in again.verification.shapes if m.fits)
+
+
+def test_a_very_long_first_step_of_an_eager_model_stands_for_its_time_whatever_was_built():
+    """config.cold_step_stands: in an eager model a cold step of COLD_STANDS_MS or more is the shape's time even
+    at a new (B, S) (its kernel builds are a few percent of it), shorter ones get a warm step; in a compiled
+    model (built None) every shape that fits gets its warm step (its first step may hold a compilation)."""
+    memory, depth = models()
+    plan = FakePlan(memory, depth, true_scale=1.0)
+    very_long = {32760}
+
+    def measure(shape, warm):
+        raw = plan.measure(shape, warm)
+        if raw["status"] == "ok" and plan.seq_len(shape.latent_shape) in very_long:
+            raw = {**raw, **{k: raw[k] + COLD_STANDS_MS for k in ("cold_ms", "warm_ms") if k in raw}}
+        return raw
+
+    for built in (set(), None):
+        plan.measured.clear()
+        plan.verification = None
+        outcome = PlanVerifier(measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L,
+                               built=built).run()
+        ran = [m for m in outcome.verification.shapes if m.ran and m.fits]
+        assert any(m.seq_len in very_long for m in ran) and any(m.seq_len not in very_long for m in ran)
+        one_step = {m.key for m in ran if m.seq_len in very_long} if built is not None else set()
+        for m in ran:
+            assert m.timed_cold == (m.key in one_step), m
+            assert (m.warm_ms == m.cold_ms) == m.timed_cold
+        warm_calls = {(b, s, k) for b, s, k, warm in plan.measured if warm}
+        assert warm_calls == {m.key for m in ran} - one_step
 
 
 def test_out_of_memory_steps_count_as_needing_the_whole_device():
@@ -264,6 +309,60 @@ def test_a_recorded_verification_runs_each_shape_near_the_budget_once_and_replan
     with pytest.raises(RuntimeError, match="no longer fit .* resuming would change the epoch's batches"):
         PlanVerifier(frozen.measure, frozen, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L).run(
             recorded.verification, frozen=True)
+
+
+def test_a_recorded_bound_that_no_longer_fits_takes_what_it_bounded_with_it():
+    memory, depth = models()
+    first = FakePlan(memory, depth, true_scale=1.3)
+    _, recorded = run(first)
+    bounded = {m.key: m.bound_by for m in recorded.verification.shapes if m.status == "bounded"}
+    assert bounded
+    gone = next(iter(bounded.values()))
+    tight = FakePlan(memory, depth, true_scale=1.3)
+    true_peak = tight.true_peak
+    tight.true_peak = lambda b, s, k: 2 * BUDGET if (b, s, k) == gone else true_peak(b, s, k)
+    # a tighter budget, so the bound is among the recorded shapes checked again
+    budget = 0.85 * BUDGET
+    outcome = PlanVerifier(tight.measure, tight, budget_bytes=budget, device_bytes=DEVICE, num_blocks=L).run(
+        recorded.verification)
+    now = {m.key: m for m in outcome.verification.shapes}
+    assert not outcome.unresolved and not now[gone].fits
+    assert not any(m.bound_by == gone for m in now.values())
+    for m in now.values():  # every bound now is a shape that fits on this device, and holds on it
+        if m.status == "bounded":
+            assert now[m.bound_by].ran and now[m.bound_by].fits
+            assert true_peak(m.batch_size, m.seq_len, m.checkpointed) <= budget
+    scheduled = {(x.batch_size, tight.seq_len(x.latent_shape), x.checkpointed) for x in tight.shapes()}
+    assert all(now[key].fits for key in scheduled if key in now)
+
+
+def test_a_shape_is_bounded_only_by_a_measured_fit_of_no_fewer_samples_and_tokens_at_no_deeper_k():
+    memory, depth = models()
+    plan = FakePlan(memory, depth)
+    verifier = PlanVerifier(plan.measure, plan, budget_bytes=BUDGET, device_bytes=DEVICE, num_blocks=L)
+
+    def ran(b, s, k, held_gib, status="fits"):
+        return MeasuredShape(b, s, None, k, status, warm_ms=1.0, cold_ms=2.0, peak_bytes=held_gib * GIB,
+                             reserved_bytes=held_gib * GIB)
+
+    verifier.shapes = {m.key: m for m in (ran(4, 9408, 2, 50), ran(2, 32760, 4, 40), ran(8, 9408, 0, 70, "over_budget"),
+                                          ran(16, 9408, 8, 30))}
+    thw = tuple(THW[3])
+    low = 0.5 * BUDGET
+
+    def bound(b, k, predicted=low):
+        found = verifier._bound(9408, ScheduledShape(b, thw, 1, k), predicted)
+        return None if found is None else found.key
+
+    assert bound(2, 3) == (4, 9408, 2)  # fewer samples, more blocks checkpointed than a measured fit
+    assert bound(2, 5) == (2, 32760, 4)  # both bound it: the one that held least names it
+    assert bound(4, 2) == (4, 9408, 2)  # the measured shape itself (equal in all three)
+    assert bound(2, 1) is None  # no fit at k <= 1 (B = 8 at k = 0 was over the budget)
+    assert bound(5, 3) is None  # more samples than any fit at k <= 3
+    assert bound(16, 8) == (16, 9408, 8) and bound(17, 8) is None
+    assert bound(2, 3, predicted=(1 - RECHECK_MARGIN) * BUDGET * 1.001) is None  # too near the budget to skip
+    assert bound(2, 3, predicted=None) is None  # no memory model: every shape runs
+    assert verifier._bound(40000, ScheduledShape(1, thw, 1, 8), low) is None  # longer than anything measured
 
 
 def test_without_a_memory_plan_only_the_batch_size_shrinks():

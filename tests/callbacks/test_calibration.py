@@ -900,8 +900,16 @@ def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_
         calib.result.memory.memory_model.params)
     assert DepthCostModel.from_json(log_dir / "calibration_depth_cost_model.json").recompute_fraction == \
         pytest.approx(calib.result.memory.depth_cost_model.recompute_fraction)
-    assert json.loads((tmp_path / "cache.json").read_text())["key"]["depths"] == [2, 1]
+    key = json.loads((tmp_path / "cache.json").read_text())["key"]
+    assert key["depths"] == [2, 1] and key["save_attention"] is True
     assert switch_cb.switch.checkpointed == 2  # left at every block
+    # a block that recomputes its attention costs other time and memory: measured again, not read from the cache
+    again = CostModelCalibration(num_seq_lens=3, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
+                                 cache_path=str(tmp_path / "cache.json"), **PLAN_ANY)
+    _fit_dm(tmp_path / "again", DepthProbeModule(**TWO_BLOCKS),
+            [PerBucketCheckpointing(block_classes=[DiTBlock], save_attention=False), again], PlanningDataModule())
+    assert again.result.source == "measured"
+    assert json.loads((tmp_path / "cache.json").read_text())["key"]["save_attention"] is False
 
 
 def test_an_out_of_memory_second_depth_is_recorded_and_does_not_prune_full_depth_points(tmp_path, monkeypatch):

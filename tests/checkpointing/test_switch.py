@@ -6,11 +6,13 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_adaptiveload.checkpointing import (
     BATCH_KEY, BlockCheckpointing, check_composition, checkpointed_from_batch, find_blocks, resolve_block_classes,
     select_instances,
 )
+from lightning_adaptiveload.checkpointing.switch import ATTENTION_OPS
 from tests.checkpointing.toy import ToyBlock, ToyNet, toy_batch
 
 DEPTH = 4
@@ -98,6 +100,84 @@ def test_the_first_k_blocks_are_recomputed_and_the_last_keep_their_activations(k
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         net(x, context).pow(2).mean()
     assert kept == sum(saved) + (DEPTH - k) * (sum(block_bytes) - input_bytes)
+
+
+class HeadsBlock(nn.Module):
+    """Multi-head self-attention on (B, heads, N, d), which torch runs with a fused kernel on CPU too (the
+    toy's 3-D attention runs the decomposed math path, which no selective policy can keep)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        return x + self.proj(attended).tanh()
+
+
+class CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("save_attention", [True, False])
+@pytest.mark.parametrize("k", [0, 2, DEPTH])
+def test_a_checkpointed_block_keeps_its_attention_and_recomputes_the_rest(save_attention, k):
+    """The fused attention kernel runs once per block and step when its output is kept, once more per
+    checkpointed block when not; either way the rest of a checkpointed block runs again, and the
+    gradients are bitwise those of the plain model (fp64, random data)."""
+    def net_and_grads(switch_k):
+        torch.manual_seed(0)
+        net = nn.Sequential(*(HeadsBlock() for _ in range(DEPTH))).double()
+        if switch_k is not None:
+            BlockCheckpointing(list(net), save_attention=save_attention).set_checkpointed(switch_k)
+        x = torch.randn(3, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        with CountAttention() as counted:
+            net(x).pow(2).mean().backward()
+        return net, counted.calls, {n: p.grad for n, p in net.named_parameters()}
+
+    _, _, ref = net_and_grads(None)
+    net, attention_calls, got = net_and_grads(k)
+    assert [b.calls for b in net] == [2] * k + [1] * (DEPTH - k)
+    assert attention_calls == DEPTH + (0 if save_attention else k)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], g) for n, g in ref.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_on_the_gpu_each_sdpa_kernel_is_kept_not_recomputed(backend):
+    """bf16 on CUDA, each fused SDPA kernel: a checkpointed block keeps its attention (the kernel runs once
+    per block and step), and the gradients equal the plain model's (same kernels on the same inputs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def net_and_grads(k):
+        torch.manual_seed(0)
+        net = nn.Sequential(*(HeadsBlock(dim=256, heads=4) for _ in range(DEPTH))).cuda().bfloat16()
+        if k is not None:
+            BlockCheckpointing(list(net)).set_checkpointed(k)
+        x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(1))
+        with sdpa_kernel(getattr(SDPBackend, backend)), CountAttention() as counted:
+            net(x).float().pow(2).mean().backward()
+        return counted.calls, {n: p.grad.float() for n, p in net.named_parameters()}
+
+    _, ref = net_and_grads(None)
+    calls, got = net_and_grads(DEPTH)
+    assert calls == DEPTH
+    for name, grad in ref.items():
+        assert torch.allclose(got[name], grad, rtol=1e-2, atol=1e-3 * grad.abs().max().item()), name
 
 
 def test_no_checkpointing_without_autograd():

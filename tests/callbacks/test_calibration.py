@@ -617,7 +617,7 @@ def test_a_fit_trusted_on_the_second_measurement_is_used_and_cached(tmp_path, mo
     assert json.loads((tmp_path / "cache.json").read_text())["trusted"] is True
 
 
-def test_verification_runs_every_scheduled_shape_cold_then_warm_most_frequent_first(tmp_path, monkeypatch):
+def test_verification_runs_every_scheduled_shape_cold_then_warm_most_tokens_first(tmp_path, monkeypatch):
     seen = []
     real_step = StepRunner.step
 
@@ -629,7 +629,10 @@ def test_verification_runs_every_scheduled_shape_cold_then_warm_most_frequent_fi
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
                                  cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
     _fit_dm(tmp_path, VideoDiTModule(**TINY), [calib], ShapesDataModule())
-    expected = sorted(ShapesDataModule.SCHEDULED, key=lambda x: -x[2])  # most batches per epoch first
+    tokens = {thw: s for s, thw in SHAPES.items()}
+    # most tokens B * S first (a shape after every one that can bound it), ties longer S first
+    expected = sorted(ShapesDataModule.SCHEDULED, key=lambda x: (-x[0] * tokens[x[1]], -tokens[x[1]]))
+    assert [b for b, *_ in expected] == [2, 1, 2, 4]
     outcome = calib.result.verification
     shapes = outcome.verification.shapes
     assert [(m.batch_size, m.latent_shape) for m in shapes] == [(b, thw) for b, thw, _ in expected]
@@ -970,12 +973,14 @@ def test_verification_runs_each_shape_at_its_depth_and_records_the_models_predic
     calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1,
                                  cache_path=str(tmp_path / "cache.json"), **PLAN_ANY)
     _fit_dm(tmp_path, module, [PerBucketCheckpointing(block_classes=[DiTBlock]), calib], DepthShapesDataModule())
-    expected = sorted(DepthShapesDataModule.SCHEDULED, key=lambda x: -x[2])
+    tokens = {thw: s for s, thw in SHAPES.items()}
+    # most tokens first, ties fewer blocks checkpointed first (no depth: every block)
+    expected = sorted(DepthShapesDataModule.SCHEDULED,
+                      key=lambda x: (-x[0] * tokens[x[1]], 2 if x[3] is None else x[3], -tokens[x[1]]))
     shapes = calib.result.verification.verification.shapes
-    assert [m.checkpointed for m in shapes] == [k for *_, k in expected]
+    assert [m.checkpointed for m in shapes] == [k for *_, k in expected] == [None, 1, 2, 0]
     # verification's steps (cold and warm, before the one training step), at each shape's depth; no
     # depth: every block
-    tokens = {thw: s for s, thw in SHAPES.items()}
     assert module.steps[-1 - 2 * len(expected):-1] == [(b, tokens[thw], 2 if k is None else k)
                                                        for b, thw, _, k in expected for _ in range(2)]
     memory = calib.result.memory

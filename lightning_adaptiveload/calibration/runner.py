@@ -169,11 +169,17 @@ class StepRunner:
         runs after training_step, before backward), then backward (into the held gradients when
         accumulating: a micro-batch after the first). The gradients stay held after it, for the next
         step. Every rank agrees after the forward and after the backward whether any ran out of
-        memory (AgreedOutOfMemory on all of them), so no rank goes on into a collective alone."""
+        memory (AgreedOutOfMemory on all of them), so no rank goes on into a collective alone.
+
+        On CPU the time is the process's CPU time (`time.process_time`), not the wall clock: with the
+        one intra-op thread calibration measures with (loop.measurement_threads) it is the step's own
+        work, while the wall clock adds whatever other processes take of the cores (on a busy 2-core
+        machine, runs of steps about 2x slower: benchmarks/results/cpu_robustness_median.json)."""
         strategy, cuda = self.strategy, self.device.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
         if cuda:
             torch.cuda.synchronize(self.device)
-        begin = time.perf_counter()
+        begin = clock()
         output = loss = None
         oom = False
         try:
@@ -196,7 +202,7 @@ class StepRunner:
         self._agreed_oom(oom)
         if cuda:
             torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - begin) * 1e3
+        return (clock() - begin) * 1e3
 
     def settle(self, batch, max_steps: int = 10, tolerance: float = 0.25) -> int:
         """Untimed steps until two consecutive step times agree within `tolerance` on every rank (at

@@ -106,8 +106,9 @@ MIN_SCALE = 0.5
 # have come to exceed it. In that cached run 16 of the 21 recorded shapes held less, and their checks
 # took 18.8 s of its 53.6 s of verification (the first step of the process, 3.8 s of it, then falls on
 # another shape). A bounded shape holds no more than its bound up to that same variation between
-# steps, and the margin leaves 10% for it. In that run's first verification 14 of its 21 shapes were
-# bounded so (2 of them partial batches that took a round of their own), 16.5 s of its 61.9 s of steps.
+# steps, and the margin leaves 10% for it. In that run's first verification 12 of its 21 shapes would
+# have been bounded so (2 of them partial batches that took a round of their own), 16.5 s of its 61.9 s
+# of steps.
 RECHECK_MARGIN = 0.10
 
 

@@ -1,8 +1,9 @@
 """The calibration record: `calibration.json` in the log dir and the cache it is reused from.
 
 The cache key says what decides a step's cost beyond the batch shape (model fingerprint, strategy,
-precision, world size, device, grid, depths and what a checkpointed block keeps, warm-up and repeats, the batches' text shape, gradient
-accumulation, the torch version, and on CPU the intra-op threads; callbacks/calibration.py); a cached
+precision, world size, device, grid, depths and what a checkpointed block keeps, warm-up and repeats,
+the batches' text shape, gradient accumulation, the torch version, and on CPU the intra-op threads;
+callbacks/calibration.py); a cached
 record is reused only under an equal key, only when its fit was trusted (fit.py) and its
 verification left no bucket unresolved (result.py, `cacheable`), and is re-validated field by field
 on read: a stale or foreign cache never stops training, it is measured again.

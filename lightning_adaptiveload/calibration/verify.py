@@ -196,12 +196,10 @@ class PlanVerifier:
     def _rewarm(self, prior: Verification, rnd: int) -> list[ScheduledShape]:
         """Seed the loop with `prior`, run once each of its fitting shapes the schedule holds that held
         within RECHECK_MARGIN of the budget; drop and return those that no longer fit (their bucket is
-        then planned again). One step of the cheapest of them runs first and is not counted: a
-        process's first step holds one-time allocations (library workspaces, the allocator's first
-        segments) that no later step does: on an H100 the first calibration step held 21.6 GiB reserved
-        for 11.1 GiB allocated, the next ones 0.3-0.4 GiB over, and a cached run's first recheck held
-        4.3 GiB more than the same shape had in the first run (benchmarks/results/gpu_session9), a
-        false "no longer fits". A first run's verification follows the grid, so it never holds them."""
+        then planned again). They run cheapest (B * S) first: in a cached run the first of them is the
+        process's first step, which the runner precedes with an uncounted one (its one-time
+        allocations: without it, on an H100 a cached run's first recheck held 4.3 GiB more than the same
+        shape in the first run, a false "no longer fits"; benchmarks/results/gpu_session9)."""
         self.shapes = {m.key: m for m in prior.shapes}
         self.pinned = {s: limit.pinned for s, limit in prior.limits.items() if limit.pinned is not None}
         self.max_seq_len = prior.max_seq_len
@@ -211,10 +209,8 @@ class PlanVerifier:
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
                     if (m := self._measured(seq_len, shape)) is not None and m.ran and m.fits
                     and held_bytes(m.peak_bytes, m.reserved_bytes) >= near]
-        if recorded:  # the process's first step, its one-time allocations, on the cheapest shape, not a recheck
-            first = min(recorded, key=lambda item: item[1].batch_size * item[0])[1]
-            self.measure(first, warm=False)
-            self.progress(f"verify round {rnd} (recorded): the process's first step, {_describe(first)}, not counted")
+        # cheapest first: a process's first step runs twice, once uncounted (runner.StepRunner.measure)
+        recorded.sort(key=lambda item: item[1].batch_size * item[0])
         stale = []
         for i, (seq_len, shape) in enumerate(recorded):
             raw = self.measure(shape, warm=False)

@@ -75,11 +75,12 @@ def test_the_previous_steps_gradients_are_held_during_forward_as_in_lightning(ac
     with runner:
         out = runner.measure(lambda: torch.randn(4, 8), warmup=1, repeats=2)
     assert out["status"] == "ok"
-    # every forward, the first included, runs with gradients allocated (the step before's)
-    assert module.at_forward == [True, True, True]
+    # every forward, the first included, runs with gradients allocated (the step before's); the runner's
+    # first measurement is preceded by one uncounted step
+    assert module.at_forward == [True] * 4
     # without accumulation Lightning's zero_grad (set to None) runs between forward and backward;
     # accumulating, a micro-batch after the first backpropagates into the held gradients
-    assert module.at_pre_backward == [accumulate > 1] * 3
+    assert module.at_pre_backward == [accumulate > 1] * 4
     assert all(p.grad is None for p in module.parameters())  # leaving the runner drops them
 
 
@@ -87,7 +88,7 @@ def _rank(rank: int, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        module = Tiny(fail_at_forward=2 if rank == 1 else None)  # rank 1 alone, at its second step
+        module = Tiny(fail_at_forward=3 if rank == 1 else None)  # rank 1 alone, at its second measured step
         module.log = module.log_dict = None
         runner = runner_for(module, world_size=2, rank=rank)
         with runner:
@@ -118,7 +119,37 @@ def test_an_out_of_memory_step_on_one_rank_is_agreed_on_by_every_rank_without_a_
     for rank in (0, 1):
         first, second, forwards = results[rank]
         assert first == {"status": "oom"} and second == "ok"
-        assert forwards == 3  # both stopped after the second forward, then ran one more step
+        assert forwards == 4  # the uncounted first step, then both stopped after the second forward, then one more
+
+
+class FirstStepHoldsMore(Tiny):
+    """A process's first step: it saves one-time bytes for backward (a workspace made once), later steps do not."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if len(self.at_forward) == 1:
+            loss = loss + torch.ones(4096, requires_grad=True).pow(2).sum() * 0.0  # pow saves its 16 KiB input
+        return loss
+
+
+def test_the_runners_first_step_is_not_measured_and_a_later_measurement_takes_one_step_less():
+    """The one-time bytes of the first step are in no measurement's peak (CPU: bytes saved for backward, fp64
+    reference: the same measurement on a module without them), and only the first measurement pays the extra step."""
+    def measured(module_type):
+        torch.manual_seed(0)
+        module = module_type()
+        module.log = module.log_dict = None
+        runner = runner_for(module)
+        with runner:
+            first = runner.measure(lambda: torch.randn(4, 8), warmup=0, repeats=1)
+            steps_after_first = len(module.at_forward)
+            second = runner.measure(lambda: torch.randn(4, 8), warmup=0, repeats=1)
+        return first, second, steps_after_first, len(module.at_forward)
+
+    ref_first, _, _, _ = measured(Tiny)
+    first, second, steps_after_first, steps = measured(FirstStepHoldsMore)
+    assert steps_after_first == 2 and steps == 3  # uncounted + measured, then one measured
+    assert first["peak_bytes"] == ref_first["peak_bytes"] == second["peak_bytes"] > 0
 
 
 @pytest.mark.cuda

@@ -86,9 +86,11 @@ def test_a_step_the_budget_cannot_hold_is_skipped_and_recorded():
     model = VideoDiT(config)
     latent = smoke["step_latent"]
     calls = attention_benchmark.record(model, config, smoke["text_len"], 1, latent, torch.device("cpu"))
-    args = argparse.Namespace(checkpointed=1, step_warmup=0, step_repeats=1)
+    args = argparse.Namespace(checkpointed=1, step_warmup=0, step_repeats=1, save_attention=["on", "off"])
     _, rows = attention_benchmark.step_rows(model, config, args, smoke, calls, ["flash", "math"], 1.0,
                                             torch.device("cpu"), deadline=time.perf_counter())
-    assert rows[0]["backend"] == "flash" and rows[0]["ms"] > 0 and rows[0]["error"] is None
-    assert rows[1]["backend"] == "math" and rows[1]["ms"] is None
-    assert rows[1]["error"].startswith("skipped:") and "1 steps of" in rows[1]["error"]
+    # each backend with the checkpointed blocks keeping their attention, then recomputing it
+    assert [(r["backend"], r["save_attention"]) for r in rows] == [("flash", True), ("flash", False),
+                                                                  ("math", True), ("math", False)]
+    assert rows[0]["ms"] > 0 and rows[0]["error"] is None
+    assert all(r["ms"] is None and r["error"].startswith("skipped:") and "1 steps of" in r["error"] for r in rows[1:])

@@ -1030,8 +1030,9 @@ def test_a_given_cost_model_is_used_as_is_and_the_shapes_are_still_verified(tmp_
     [(cm, m_mem)] = dm.cost_model_calls
     assert given.result.source == "given" and given.result.trusted and given.result.points == [] and m_mem == 300
     assert cm.params == pytest.approx(first.result.cost_model.params, rel=1e-12) and cm.form == first.result.cost_model.form
-    # no benchmark: two verification steps per scheduled shape (cold, warm) and the one training step
-    assert CountingModule.steps == 2 * len(ShapesDataModule.SCHEDULED) + 1
+    # no benchmark: the runner's uncounted first step, two verification steps per scheduled shape (cold, warm)
+    # and the one training step
+    assert CountingModule.steps == 1 + 2 * len(ShapesDataModule.SCHEDULED) + 1
     assert not (tmp_path / "b.json").exists()  # nothing measured, nothing cached
 
 

@@ -21,7 +21,8 @@ CallTemplate), so the kernels see the model's own layouts (strides).
    with the fused AdaLN surgery when the CUDA op loads (else plain) and `--checkpointed` of the 30 blocks
    activation-checkpointed (default all: the only depth known to fit at this length without a memory
    plan), each checkpointed block keeping its attention's outputs or recomputing them (`--save-attention
-   on off`: both, in that order, per backend; lightning_adaptiveload.checkpointing). Model FLOPs of a step (useful: the recomputation of checkpointed blocks is not counted):
+   on off`: both, in that order, per backend; lightning_adaptiveload.checkpointing). Model FLOPs of a
+   step (useful: the recomputation of checkpointed blocks is not counted):
        linears  6 * sum over nn.Linear and the Conv3d patch embedding of (weight entries x the rows it
                 is applied to: video tokens, text tokens or samples), i.e. 6 * params * tokens per layer
                 (counted by shape on fake tensors);

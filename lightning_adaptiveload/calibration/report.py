@@ -180,7 +180,7 @@ def format_verification(result: CalibrationResult) -> str:
         line += f"; {bounded} shape(s) not run, bounded by a larger one that fit"
     if outcome.left_cold:
         line += f"; {outcome.left_cold} scheduled shape(s) left cold (first step in training)"
-    excess = [m.cold_ms - m.warm_ms for m in shapes if m.ran and m.fits and not m.timed_cold]
+    excess = [m.cold_ms - m.warm_ms for m in shapes if m.measured_fit and not m.timed_cold]
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
     one_step = sum(m.timed_cold for m in shapes)

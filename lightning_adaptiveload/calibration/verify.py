@@ -207,7 +207,7 @@ class PlanVerifier:
         self.plan.apply(self._verification())
         near = (1.0 - RECHECK_MARGIN) * self.budget_bytes
         recorded = [(seq_len, shape) for seq_len, group in self._scheduled().items() for shape in group
-                    if (m := self._measured(seq_len, shape)) is not None and m.ran and m.fits
+                    if (m := self._measured(seq_len, shape)) is not None and m.measured_fit
                     and held_bytes(m.peak_bytes, m.reserved_bytes) >= near]
         # cheapest first: a process's first step runs twice, once uncounted (runner.StepRunner.measure)
         recorded.sort(key=lambda item: item[1].batch_size * item[0])
@@ -233,7 +233,7 @@ class PlanVerifier:
         they are verified again."""
         for key, m in list(self.shapes.items()):
             bound = None if m.bound_by is None else self.shapes.get(m.bound_by)
-            if m.status == "bounded" and not (bound is not None and bound.ran and bound.fits):
+            if m.status == "bounded" and not (bound is not None and bound.measured_fit):
                 del self.shapes[key]
                 if self.pinned.get(m.seq_len) == (m.batch_size, m.checkpointed):
                     del self.pinned[m.seq_len]
@@ -367,7 +367,7 @@ class PlanVerifier:
         if predicted_held is None or predicted_held > (1.0 - RECHECK_MARGIN) * self.budget_bytes:
             return None
         depth = self._depth(shape.checkpointed)
-        bounds = [m for m in self.shapes.values() if m.ran and m.fits and m.batch_size >= shape.batch_size
+        bounds = [m for m in self.shapes.values() if m.measured_fit and m.batch_size >= shape.batch_size
                   and m.seq_len >= seq_len and self._depth(m.checkpointed) <= depth]
         return min(bounds, key=lambda m: m.used_bytes) if bounds else None
 

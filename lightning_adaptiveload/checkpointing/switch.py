@@ -16,8 +16,9 @@ percent of what an un-checkpointed block of that length holds. False: only the i
 the block runs again whole. Attention a model computes with other kernels (a math-backend SDPA, an
 external flash-attention package) is recomputed either way.
 
-No module is added, moved or renamed, so parameter names, `state_dict` keys and module classes stay what they were: checkpoints load in both
-directions, and FSDP auto-wrap policies keyed on the block class still find the blocks.
+No module is added, moved or renamed, so parameter names, `state_dict` keys and module classes stay
+what they were: checkpoints load in both directions, and FSDP auto-wrap policies keyed on the block
+class still find the blocks.
 
 `set_checkpointed(k)` switches the first k blocks (in the order given; `find_blocks` gives
 registration order, which is the forward order of a DiT's block list) on and the last L - k off.

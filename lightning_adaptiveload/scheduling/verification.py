@@ -114,6 +114,11 @@ class MeasuredShape:
         return self.status in ("fits", "bounded")
 
     @property
+    def measured_fit(self) -> bool:
+        """The step ran and fit (status "fits", not "bounded"): what bounds other shapes and prices batches."""
+        return self.status == "fits"
+
+    @property
     def key(self) -> tuple[int, int, int | None]:
         """(B, seq_len, k): what identifies a shape; a later measurement of a key replaces an earlier one."""
         return self.batch_size, self.seq_len, self.checkpointed
@@ -313,7 +318,7 @@ class Verification:
     def costs(self, model, checkpointed_of: Mapping[int, int | None]) -> "MeasuredCosts":
         """`MeasuredCosts` over `model` from the shapes that ran and fit at their bucket's depth in `checkpointed_of`
         (seq_len -> k of the table, None without a memory plan)."""
-        return MeasuredCosts(model, [m for m in self.shapes if m.ran and m.fits and m.seq_len in checkpointed_of
+        return MeasuredCosts(model, [m for m in self.shapes if m.measured_fit and m.seq_len in checkpointed_of
                                      and m.checkpointed == checkpointed_of[m.seq_len]])
 
     def to_dict(self) -> dict:

@@ -21,9 +21,11 @@ From each run's log folder (calibration.json, balance_per_rank.csv) and its outp
 of memory; calibration and verification seconds and what verification re-planned; per step the
 batch, the price the plan balanced it at (the monitor's load: verified warm time) and the measured
 step time and peak memory; the epoch's tokens/s (tokens over the sum of interval_ms, data waits
-included), and apart from it the steps where a (B, S) ran first (their excess over the plan's price)
-and the steady tokens/s without them; samples trained; every step's peak against the budget; per
-(B, S) the median of its later steps over the plan's price. Against the baseline: the epoch's tokens/s, and the tokens/s on the samples
+included), and apart from it the steps where a (B, S) ran first (their excess over the plan's price,
+grouped by what verification did with the shape: run, bounded, not verified) and the steady tokens/s
+without them; samples trained; every step's peak against the budget; per (B, S) the median of its
+later steps over the plan's price (none for a shape the epoch ran once). Against the baseline: the
+epoch's tokens/s, and the tokens/s on the samples
 both train (`common_sample_speedup`: per bucket S, min(samples trained by either) samples at each run's
 own measured tokens/s of that bucket; the run's time for them over the baseline's).
 `--cache-dir` keeps each run's calibration cache between calls (compiled and compiled95 share a key).
@@ -48,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.scheduling import metrics  # noqa: E402
-from lightning_adaptiveload.scheduling.verification import held_bytes  # noqa: E402
+from lightning_adaptiveload.scheduling.verification import NOT_RUN, held_bytes  # noqa: E402
 
 RUNS = {
     "baseline": ("h200_fsdp_baseline.yaml", {}),
@@ -167,22 +169,28 @@ def summarize_run(log_dir: Path) -> dict:
     peaks = held_bytes(cols["peak_allocated_bytes"][:, 0], cols["peak_reserved_bytes"][:, 0])
     verification = calibration.get("verification") or {}
     budget = verification.get("budget_bytes")
-    # each shape's first step is reported apart: one that verification did not warm pays its kernels there
+    over = verification.get("shapes") or []
+    # each shape's first step is reported apart: one that verification did not run (bounded by a larger
+    # shape, or a partial batch left cold) builds its kernels there, a one-time cost the plan's warm
+    # price leaves out; a shape the epoch ran once has no steady time to judge the price by
     first = metrics.first_occurrences(cols["samples"], cols["seq_len"])
     shapes = {}
     for b, s in sorted({(int(b), int(s)) for b, s in zip(samples, seq_len)}):
         at = (samples == b) & (seq_len == s)
-        steady = at & ~first if (at & ~first).any() else at
+        later = at & ~first
+        planned = float(np.median(load[at]))
+        first_ms = float(step_ms[at & first][0])
+        median = float(np.median(step_ms[later])) if later.any() else None
         shapes[f"{b}x{s}"] = {"batch_size": b, "seq_len": s, "steps": int(at.sum()),
-                              "first_step_ms": float(step_ms[at & first][0]),
-                              "median_step_ms": float(np.median(step_ms[steady])), "planned_ms": float(np.median(load[at])),
-                              "median_over_planned": float(np.median(step_ms[steady]) / np.median(load[at]) - 1)}
+                              "verification": _verified_as(over, b, s), "planned_ms": planned,
+                              "first_step_ms": first_ms, "first_over_planned": first_ms / planned - 1,
+                              "median_step_ms": median,
+                              "median_over_planned": None if median is None else median / planned - 1}
     buckets = {}
     for s in sorted({int(v) for v in seq_len}):
         at = seq_len == s
         buckets[str(s)] = {"samples": int(samples[at].sum()), "tokens": float(tokens[at].sum()),
                            "step_s": float(step_ms[at].sum()) / 1e3}
-    over = verification.get("shapes") or []
     startup = _time_to_first_step(log_dir)
     over_verified = _peak_over_verified(over, samples, seq_len, cols["peak_allocated_bytes"][:, 0],
                                         cols["peak_reserved_bytes"][:, 0])
@@ -204,15 +212,36 @@ def summarize_run(log_dir: Path) -> dict:
         "first_occurrence_steps": int(first.sum()),
         "first_occurrence_excess_ms": float((step_ms[first] - load[first]).sum()),
         "steady_tokens_per_s": float(tokens[~first].sum() / (interval[~first].sum() / 1e3)) if (~first).any() else None,
+        "first_steps_by_verification": _first_steps_by_verification(shapes),
         "budget_bytes": budget,
         "peak_allocated_bytes": float(np.nanmax(cols["peak_allocated_bytes"])) if np.isfinite(peaks).any() else None,
         "peak_reserved_bytes": float(np.nanmax(cols["peak_reserved_bytes"])) if np.isfinite(peaks).any() else None,
         "steps_over_budget": None if budget is None or not np.isfinite(peaks).any() else int((peaks > budget).sum()),
         "step_peak_over_verified": over_verified,
         "shapes": shapes,
-        "worst_shape_median_over_planned": max((abs(v["median_over_planned"]) for v in shapes.values()), default=None),
+        "worst_shape_median_over_planned": max((abs(v["median_over_planned"]) for v in shapes.values()
+                                                if v["median_over_planned"] is not None), default=None),
         "buckets": buckets,
     }
+
+
+def _verified_as(shapes: list[dict], batch_size: int, seq_len: int) -> str:
+    """What verification did with a trained (B, S): "run" (some step of it ran there), "bounded" (only
+    bounded by a larger shape that ran), "not verified" (absent: e.g. a partial batch left cold)."""
+    statuses = {m["status"] for m in shapes if (int(m["batch_size"]), int(m["seq_len"])) == (batch_size, seq_len)}
+    if statuses - set(NOT_RUN):
+        return "run"
+    return "bounded" if "bounded" in statuses else "not verified"
+
+
+def _first_steps_by_verification(shapes: dict) -> dict:
+    """Per `_verified_as` class: how many shapes' first training steps, and their mean and largest
+    excess over the plan's price (ms)."""
+    out = {}
+    for v in shapes.values():
+        out.setdefault(v["verification"], []).append(v["first_step_ms"] - v["planned_ms"])
+    return {k: {"shapes": len(x), "mean_excess_ms": float(np.mean(x)), "max_excess_ms": float(np.max(x))}
+            for k, x in sorted(out.items())}
 
 
 def _peak_over_verified(shapes: list[dict], samples: np.ndarray, seq_len: np.ndarray, allocated: np.ndarray,
@@ -332,12 +361,15 @@ def plot(runs: dict, path: Path) -> None:
         r = run.get("result")
         if r is None:
             continue
-        planned = [v["planned_ms"] for v in r["shapes"].values()]
-        measured = [v["median_step_ms"] for v in r["shapes"].values()]
-        left.scatter(planned, measured, label=name, s=18)
+        steady = [v for v in r["shapes"].values() if v["median_step_ms"] is not None]
+        once = [v for v in r["shapes"].values() if v["median_step_ms"] is None]
+        dots = left.scatter([v["planned_ms"] for v in steady], [v["median_step_ms"] for v in steady], label=name, s=18)
+        if once:  # shapes the epoch ran once: only a first step, kernel builds included
+            left.scatter([v["planned_ms"] for v in once], [v["first_step_ms"] for v in once], s=18,
+                         facecolors="none", edgecolors=dots.get_facecolor(), label=f"{name}: ran once (first step)")
     lim = left.get_xlim()
     left.plot(lim, lim, "k--", lw=0.8)
-    left.set(xscale="log", yscale="log", xlabel="plan's price (ms)", ylabel="median training step (ms)",
+    left.set(xscale="log", yscale="log", xlabel="plan's price (ms)", ylabel="median later training step (ms)",
              title="per (B, S): measured vs planned")
     left.legend()
     names = [n for n, run in runs.items() if run.get("result")]

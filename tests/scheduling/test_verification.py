@@ -167,10 +167,15 @@ def test_measured_costs_price_measured_pairs_exactly_and_others_by_the_buckets_r
     # independent reference: per bucket the median of measured / predicted over its measured pairs
     ratio_1000 = np.median([30.0 / (10 + 1e-3 * 4000), 14.0 / (10 + 1e-3 * 2000)])
     ratio_5000 = 100.0 / (10 + 1e-3 * 40000)
-    b = np.array([[4, 2, 3], [8, 1, 5]])
-    s = np.array([[1000, 1000, 1000], [5000, 5000, 777]])
-    expected = np.array([[30.0, 14.0, (10 + 3.0) * ratio_1000], [100.0, (10 + 5.0) * ratio_5000, 10 + 1e-3 * 3885]])
+    # a bucket without measurements: the ratio linear in log S between its measured neighbours, the
+    # nearest one's beyond the ends
+    ratio_2000 = ratio_1000 + (ratio_5000 - ratio_1000) * (np.log(2000) - np.log(1000)) / (np.log(5000) - np.log(1000))
+    b = np.array([[4, 2, 3, 6], [8, 1, 5, 2]])
+    s = np.array([[1000, 1000, 1000, 2000], [5000, 5000, 777, 9000]])
+    expected = np.array([[30.0, 14.0, (10 + 3.0) * ratio_1000, (10 + 12.0) * ratio_2000],
+                         [100.0, (10 + 5.0) * ratio_5000, (10 + 1e-3 * 3885) * ratio_1000, (10 + 18.0) * ratio_5000]])
     np.testing.assert_allclose(costs.predict(b, s), expected, rtol=1e-12)
+    assert MeasuredCosts(base, []).predict(3, 777) == 10 + 1e-3 * 2331  # no measurement: the model alone
     assert costs.predict(4, 1000) == 30.0 and isinstance(costs.predict(3, 1000), float)
     assert costs.measured == {(2, 1000): 14.0, (4, 1000): 30.0, (8, 5000): 100.0}
 

@@ -1,0 +1,62 @@
+"""benchmarks/e2e/shipped_config.py's summary of one run's logs: each shape's first training step grouped by
+what verification did with it, and the plan's prices judged on later steps only (hand-computed reference)."""
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.monitoring.per_rank_log import CSV_HEADER, CSV_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("shipped_config", REPO / "benchmarks" / "e2e" / "shipped_config.py")
+shipped_config = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = shipped_config
+_spec.loader.exec_module(shipped_config)
+
+
+def measured(b, s, status, **kw):
+    doc = {"batch_size": b, "seq_len": s, "latent_shape": [1, 1, s], "checkpointed": 0, "status": status, "warm_ms": None,
+           "cold_ms": None, "peak_bytes": None, "reserved_bytes": None, "predicted_ms": None, "predicted_peak_bytes": None,
+           "round": 1, "timed_cold": False, "bound_by": None}
+    return doc | kw
+
+
+def test_first_steps_are_grouped_by_verification_and_prices_judged_on_later_steps(tmp_path):
+    rng = np.random.default_rng(0)
+    shapes = [measured(2, 4000, "fits", warm_ms=300.0, cold_ms=500.0, peak_bytes=5e9, reserved_bytes=6e9),
+              measured(1, 9000, "over_budget", warm_ms=700.0, cold_ms=900.0, peak_bytes=9e9, reserved_bytes=9.5e9),
+              measured(1, 9000, "fits", warm_ms=650.0, cold_ms=800.0, peak_bytes=7e9, reserved_bytes=7.5e9, checkpointed=2,
+                       round=2),
+              measured(1, 3000, "bounded", bound_by=[2, 4000, 0])]
+    (tmp_path / "calibration.json").write_text(json.dumps({
+        "seconds": 10.0, "verify_seconds": 5.0, "source": "measured", "trusted": True,
+        "verification": {"shapes": shapes, "budget_bytes": 8e9, "rounds": 2, "converged": True, "settled": [],
+                         "unresolved": [], "left_cold": 2}}))
+    # (B, S, planned ms, step ms): 2 x 4000 three times, 1 x 9000 twice, 1 x 3000 and 3 x 500 once each
+    steps = [(2, 4000, 300.0, 420.0), (1, 3000, 200.0, 460.0), (1, 9000, 650.0, 700.0), (2, 4000, 300.0, 330.0),
+             (3, 500, 100.0, 350.0), (2, 4000, 300.0, 318.0), (1, 9000, 650.0, 660.0)]
+    with open(tmp_path / CSV_NAME, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_HEADER)
+        w.writeheader()
+        for i, (b, s, load, ms) in enumerate(steps):
+            w.writerow({c: 0 for c in CSV_HEADER} | {"step": i, "batch_idx": i, "samples": b, "tokens": b * s, "seq_len": s,
+                                                      "load": load, "step_time_ms": ms, "interval_ms": ms + rng.uniform(1, 5),
+                                                      "peak_allocated_bytes": 4e9, "peak_reserved_bytes": 5e9})
+    got = shipped_config.summarize_run(tmp_path)
+    by = got["shapes"]
+    assert {k: v["verification"] for k, v in by.items()} == {"2x4000": "run", "1x9000": "run", "1x3000": "bounded",
+                                                             "3x500": "not verified"}
+    assert by["2x4000"]["median_step_ms"] == pytest.approx(324.0) and by["2x4000"]["first_step_ms"] == 420.0
+    assert by["1x9000"]["median_over_planned"] == pytest.approx(660.0 / 650.0 - 1)
+    assert by["1x3000"]["median_step_ms"] is None and by["1x3000"]["first_over_planned"] == pytest.approx(460.0 / 200.0 - 1)
+    assert got["first_steps_by_verification"] == {
+        "bounded": {"shapes": 1, "mean_excess_ms": 260.0, "max_excess_ms": 260.0},
+        "not verified": {"shapes": 1, "mean_excess_ms": 250.0, "max_excess_ms": 250.0},
+        "run": {"shapes": 2, "mean_excess_ms": pytest.approx((120.0 + 50.0) / 2), "max_excess_ms": 120.0}}
+    # only shapes with later steps are judged: 2 x 4000 at 324 / 300, not the once-run 1 x 3000 at 2.3x
+    assert got["worst_shape_median_over_planned"] == pytest.approx(0.08)
+    assert got["verification"]["bounded"] == 1 and got["verification"]["replanned"] == 1

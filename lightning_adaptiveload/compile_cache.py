@@ -1,6 +1,6 @@
 """A torch.compile cache that persists across runs: a second run of the same config compiles nothing.
 
-What a compile costs on the GPU is inductor's code generation and autotuning (39-62 s per new shape
+What a compile costs on the GPU is inductor's code generation and autotuning (39-62 s per new graph
 for the shipped 30-block config on an H200, docs/lightning.md "Compiled training"); dynamo's tracing
 is cheap beside it. torch keeps the results in two places, both used here:
 

@@ -7,6 +7,7 @@ import torch
 from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
 from lightning_adaptiveload.clipping import FSDPNormClipping
 from lightning_adaptiveload.loss import scale_loss_to_global_mean
+from lightning_adaptiveload.regional_compile import COMPILE_MODES, compile_blocks
 
 
 class VideoDiTModule(FSDPNormClipping):
@@ -16,13 +17,11 @@ class VideoDiTModule(FSDPNormClipping):
     (under FSDP Lightning then creates it inside the strategy's init context). Module surgery
     callbacks that run in `setup()` see no blocks in that case.
     compile: regional compilation of every transformer block in `configure_model` (after
-    `FusedAdaLNSurgery`, which runs in `setup()`): "auto" (torch's default: static, then dynamic
-    after the first recompile; the recommended one, measured in docs/lightning.md "Compiled
-    training"), "dynamic" (`block.compile(dynamic=True)` from the first shape), "static" (a graph
-    per shape), or None (eager).
+    `FusedAdaLNSurgery`, which runs in `setup()`), by `regional_compile.compile_blocks`: "auto"
+    (torch's default: static, then dynamic after the first recompile; measured in
+    docs/lightning.md "Compiled training"), "dynamic" (dynamic from the first shape), "static" (a
+    graph per shape), or None (eager).
     """
-
-    COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}
 
     def __init__(self, in_channels: int = 16, dim: int = 1536, num_layers: int = 30, num_heads: int = 12,
                  ffn_dim: int = 8960, text_dim: int = 4096, freq_dim: int = 256,
@@ -30,8 +29,8 @@ class VideoDiTModule(FSDPNormClipping):
                  build_in_configure_model: bool = False, compile: str | None = None, lr: float = 1e-4,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)):
         super().__init__()
-        if compile is not None and compile not in self.COMPILE_MODES:
-            raise ValueError(f"VideoDiTModule: compile must be one of {sorted(self.COMPILE_MODES)} or None, got {compile!r}")
+        if compile is not None and compile not in COMPILE_MODES:
+            raise ValueError(f"VideoDiTModule: compile must be one of {sorted(COMPILE_MODES)} or None, got {compile!r}")
         self.save_hyperparameters()
         self.config = DiTConfig(in_channels=in_channels, out_channels=in_channels, dim=dim, num_layers=num_layers,
                                 num_heads=num_heads, ffn_dim=ffn_dim, text_dim=text_dim, freq_dim=freq_dim,
@@ -41,11 +40,8 @@ class VideoDiTModule(FSDPNormClipping):
     def configure_model(self) -> None:
         if self.dit is None:  # Lightning may call this hook more than once
             self.dit = VideoDiT(self.config)
-        mode = self.hparams.compile
-        if mode is not None:
-            for block in self.dit.blocks:
-                if getattr(block, "_compiled_call_impl", None) is None:
-                    block.compile(dynamic=self.COMPILE_MODES[mode])
+        if self.hparams.compile is not None:
+            compile_blocks(self.dit.blocks, self.hparams.compile)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
         """{"loss": the loss to backpropagate (rescaled, see below), "local_loss": this rank's

@@ -27,6 +27,7 @@ from examples.wan.objective import LOSS_WEIGHTINGS, SHIFT_RULES, TIMESTEP_SAMPLI
 from lightning_adaptiveload.clipping import FSDPNormClipping
 from lightning_adaptiveload._validation import require_int, require_number
 from lightning_adaptiveload.loss import scale_loss_to_global_mean
+from lightning_adaptiveload.regional_compile import COMPILE_MODES, compile_blocks
 
 # diffusers' WanTransformer3DModel arguments of Wan 2.1 T2V 1.3B (the published
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json); the class's own defaults are the 14B.
@@ -37,7 +38,6 @@ WAN21_T2V_1_3B: dict[str, Any] = {
     "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
 }
 NUM_TRAIN_TIMESTEPS = 1000  # the model's timestep input is sigma * 1000
-COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}  # -> block.compile(dynamic=...)
 FSDP2_PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -190,11 +190,8 @@ class WanModule(FSDPNormClipping):
         if self._weights is not None and not fsdp2:
             loading.load_full(self.transformer, self._weights)
             self._weights = None
-        mode = self.hparams.compile
-        if mode is not None:
-            for block in self.transformer.blocks:
-                if getattr(block, "_compiled_call_impl", None) is None:
-                    block.compile(dynamic=COMPILE_MODES[mode])
+        if self.hparams.compile is not None:
+            compile_blocks(self.transformer.blocks, self.hparams.compile)
         if fsdp2 and self._fsdp2_dtype is None:
             self._fully_shard()
         if self._weights is not None:

@@ -1,0 +1,74 @@
+"""Regional compilation of a DiT's transformer blocks, with no graph spent on how an input was made.
+
+`compile_blocks(blocks, mode)` runs `block.compile(dynamic=...)` on each block (one code object
+shared by identical blocks, so dynamo's graphs are per input shape, not per block) and has every
+call hand the compiled region its tensor arguments as contiguous tensors of their own storage.
+
+Why: dynamo guards on a tensor input's layout and, for a view, on its base's sizes and strides. A
+DiT's first block receives the patch embedding's `flatten(2).transpose(1, 2)`, a non-contiguous view
+of the convolution's output; every later block receives the previous block's output, a plain
+contiguous tensor. The first block's guards therefore fail for every other block, and each graph
+is compiled twice: once for block 0, once for the rest. Copying such an input once per call
+(`_own_contiguous`: the first block's hidden states, (B, S, D); the shared time and text inputs,
+(B, 6, D) and (B, L, D), when they are views) costs a copy of a few MB per block, against a compile of
+tens of seconds per graph on a GPU (39-62 s for the shipped 30-block config on an H200,
+docs/lightning.md "Compiled training").
+
+What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the example DiT with the
+per-step checkpointing switch, 14 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
+`dynamic` 4 graphs (6 without the copies), `auto` 5 (7). What remains, and why:
+- B = 1 against B >= 2: dynamo specializes a size of 1 (its 0/1 specialization), so a batch of one
+  sample and a batch of several are different graphs;
+- a checkpointed block against a plain one (`checkpointing/switch.py`): torch.utils.checkpoint
+  inside the compiled region is another program, kept so selective checkpointing can keep the
+  attention outputs (a checkpoint around the compiled region would recompute them);
+- `auto` only: its first shape's static graph, before the first recompile makes the sizes dynamic.
+T = 1 (images) against T > 1 costs nothing: a block sees S = T H W / patch tokens, never T.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_adaptiveload._validation import require_choice
+
+# mode -> block.compile(dynamic=...): "static" a graph per shape, "auto" torch's default (static,
+# dynamic from the first recompile), "dynamic" symbolic sizes from the first shape
+COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}
+
+
+def _own_contiguous(value):
+    if isinstance(value, torch.Tensor) and (value._base is not None or not value.is_contiguous()):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+class _ContiguousInputs:
+    """The compiled call of one block, given its tensor arguments as contiguous tensors of their
+    own storage (module docstring). Differentiable: the copies are `clone`s."""
+
+    def __init__(self, compiled: Callable):
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*tree_map(_own_contiguous, args), **tree_map(_own_contiguous, kwargs))
+
+
+def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> int:
+    """Compile each block that is not compiled yet (`nn.Module.compile`, so parameter names and
+    `state_dict` keys stay), with `dynamic` from `mode` (a key of COMPILE_MODES) and
+    `compile_kwargs` passed to torch.compile (e.g. backend); returns how many it compiled. Call it
+    after any surgery that rebinds the blocks' forward (the compiled call traces what is bound
+    then), as the examples' `configure_model` does."""
+    dynamic = COMPILE_MODES[require_choice("compile mode", mode, COMPILE_MODES)]
+    compiled = 0
+    for block in blocks:
+        if getattr(block, "_compiled_call_impl", None) is not None:
+            continue
+        block.compile(dynamic=dynamic, **compile_kwargs)
+        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl)
+        compiled += 1
+    return compiled

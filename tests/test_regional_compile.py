@@ -1,0 +1,42 @@
+"""compile_blocks' call: the compiled blocks get contiguous inputs of their own storage, gradients unchanged
+(fp64 reference). How many graphs that saves: tests/benchmarks/test_compile_graphs.py."""
+import pytest
+import torch
+
+from lightning_adaptiveload.regional_compile import _ContiguousInputs, compile_blocks
+
+
+def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradients():
+    rng = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 5, 7, dtype=torch.float64, generator=rng, requires_grad=True)
+    view = base.transpose(1, 2)  # non-contiguous view
+    flat = base.flatten(1)  # contiguous view
+    plain = torch.randn(3, dtype=torch.float64, generator=rng, requires_grad=True)
+    seen = []
+
+    def fn(x, pair, scale=None, plain=None):
+        seen.extend([x, *pair, scale, plain])
+        return (x.sum(-1) ** 2).sum() + (pair[0] * pair[1].sum()).sum() + scale.sum() * plain.sum()
+
+    out = _ContiguousInputs(fn)(view, (flat, plain), scale=view, plain=plain)
+    x, first, second, scale, same = seen
+    assert all(t._base is None and t.is_contiguous() for t in (x, first, scale))
+    assert second is plain and same is plain  # not a view: handed over as it is
+    assert torch.equal(x, view) and torch.equal(first, flat)
+    grads = torch.autograd.grad(out, (base, plain))
+    reference = torch.autograd.grad(fn(view, (flat, plain), scale=view, plain=plain), (base, plain))
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # sums in another order
+
+
+def test_compile_blocks_compiles_each_block_once_and_names_a_bad_mode():
+    blocks = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)]
+    assert compile_blocks(blocks, "dynamic", backend="eager") == 2
+    calls = [block._compiled_call_impl for block in blocks]
+    assert compile_blocks(blocks, "dynamic", backend="eager") == 0  # already compiled: left alone
+    assert [block._compiled_call_impl for block in blocks] == calls
+    x = torch.randn(4, 3, dtype=torch.float64)
+    blocks64 = [b.double() for b in blocks]
+    torch.testing.assert_close(blocks64[0](x.t().contiguous().t()), x @ blocks64[0].weight.t() + blocks64[0].bias)
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        compile_blocks([torch.nn.Linear(3, 3)], "fast")

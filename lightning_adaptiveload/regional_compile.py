@@ -8,11 +8,12 @@ Why: dynamo guards on a tensor input's layout and, for a view, on its base's siz
 DiT's first block receives the patch embedding's `flatten(2).transpose(1, 2)`, a non-contiguous view
 of the convolution's output; every later block receives the previous block's output, a plain
 contiguous tensor. The first block's guards therefore fail for every other block, and each graph
-is compiled twice: once for block 0, once for the rest. Copying such an input once per call
-(`_own_contiguous`: the first block's hidden states, (B, S, D); the shared time and text inputs,
-(B, 6, D) and (B, L, D), when they are views) costs a copy of a few MB per block, against a compile of
-tens of seconds per graph on a GPU (39-62 s for the shipped 30-block config on an H200,
-docs/lightning.md "Compiled training").
+is compiled twice: once for block 0, once for the rest. Each view or non-contiguous input is copied
+once per step (`_Copies`: the first block's hidden states, (B, S, D), and the inputs every block
+shares, the time projection (B, 6, D) and the text context (B, L, D), which are views of a linear's
+output; the blocks share one copy of each, so a step holds one more of each, not one per block),
+against a compile of tens of seconds per graph on a GPU (39-62 s for the shipped 30-block config on
+an H200, docs/lightning.md "Compiled training").
 
 What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the example DiT with the
 per-step checkpointing switch, 14 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_adaptiveload._validation import require_choice
 
@@ -40,21 +42,36 @@ from lightning_adaptiveload._validation import require_choice
 COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}
 
 
-def _own_contiguous(value):
-    if isinstance(value, torch.Tensor) and (value._base is not None or not value.is_contiguous()):
-        return value.clone(memory_format=torch.contiguous_format)
-    return value
+class _Copies:
+    """Contiguous copies of their own storage of the view or non-contiguous tensors handed to the
+    compiled blocks, one per tensor while it lives and is not modified in place (its `_version`):
+    the blocks of a step share the copy of an input they share. Differentiable: a copy is a
+    `clone`, so gradients reach the original once, summed over the blocks."""
+
+    def __init__(self):
+        self._copies = WeakIdKeyDictionary()  # original -> (its _version when copied, the copy)
+
+    def __call__(self, value):
+        if not isinstance(value, torch.Tensor) or (value._base is None and value.is_contiguous()):
+            return value
+        hit = self._copies.get(value)
+        if hit is not None and hit[0] == value._version:
+            return hit[1]
+        copy = value.clone(memory_format=torch.contiguous_format)
+        if not value.is_leaf:  # a leaf's copy would keep it alive (its grad accumulator) and never leave
+            self._copies[value] = (value._version, copy)
+        return copy
 
 
 class _ContiguousInputs:
-    """The compiled call of one block, given its tensor arguments as contiguous tensors of their
-    own storage (module docstring). Differentiable: the copies are `clone`s."""
+    """The compiled call of one block, given its tensor arguments through `copies` (module
+    docstring)."""
 
-    def __init__(self, compiled: Callable):
-        self.compiled = compiled
+    def __init__(self, compiled: Callable, copies: _Copies):
+        self.compiled, self.copies = compiled, copies
 
     def __call__(self, *args, **kwargs):
-        return self.compiled(*tree_map(_own_contiguous, args), **tree_map(_own_contiguous, kwargs))
+        return self.compiled(*tree_map(self.copies, args), **tree_map(self.copies, kwargs))
 
 
 def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> int:
@@ -64,11 +81,12 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> 
     after any surgery that rebinds the blocks' forward (the compiled call traces what is bound
     then), as the examples' `configure_model` does."""
     dynamic = COMPILE_MODES[require_choice("compile mode", mode, COMPILE_MODES)]
+    copies = _Copies()
     compiled = 0
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             continue
         block.compile(dynamic=dynamic, **compile_kwargs)
-        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl)
+        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl, copies)
         compiled += 1
     return compiled

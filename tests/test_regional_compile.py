@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_adaptiveload.regional_compile import _ContiguousInputs, compile_blocks
+from lightning_adaptiveload.regional_compile import _ContiguousInputs, _Copies, compile_blocks
 
 
 def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradients():
@@ -18,10 +18,11 @@ def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradi
         seen.extend([x, *pair, scale, plain])
         return (x.sum(-1) ** 2).sum() + (pair[0] * pair[1].sum()).sum() + scale.sum() * plain.sum()
 
-    out = _ContiguousInputs(fn)(view, (flat, plain), scale=view, plain=plain)
+    out = _ContiguousInputs(fn, _Copies())(view, (flat, plain), scale=view, plain=plain)
     x, first, second, scale, same = seen
     assert all(t._base is None and t.is_contiguous() for t in (x, first, scale))
     assert second is plain and same is plain  # not a view: handed over as it is
+    assert scale is x  # one copy of a tensor, however many blocks (or arguments) take it
     assert torch.equal(x, view) and torch.equal(first, flat)
     grads = torch.autograd.grad(out, (base, plain))
     reference = torch.autograd.grad(fn(view, (flat, plain), scale=view, plain=plain), (base, plain))
@@ -40,3 +41,23 @@ def test_compile_blocks_compiles_each_block_once_and_names_a_bad_mode():
     torch.testing.assert_close(blocks64[0](x.t().contiguous().t()), x @ blocks64[0].weight.t() + blocks64[0].bias)
     with pytest.raises(ValueError, match="compile mode must be one of"):
         compile_blocks([torch.nn.Linear(3, 3)], "fast")
+
+
+def test_blocks_share_one_copy_of_an_input_until_it_changes_or_dies():
+    copies = _Copies()
+    base = torch.randn(4, 6, requires_grad=True)
+    context = (base * 2).view(2, 2, 6)  # a non-leaf view, as a linear's 3-D output is
+    first = copies(context)
+    assert copies(context) is first and first._base is None
+    with torch.no_grad():
+        context.add_(1.0)  # modified in place: the copy is stale
+    second = copies(context)
+    assert second is not first and torch.equal(second, context)
+    leaf = torch.randn(6, 4, requires_grad=True).t()  # a view of a leaf is no leaf: copied and kept
+    assert copies(leaf) is copies(leaf)
+    strided_leaf = torch.randn(4, 6)[:, ::2].requires_grad_()  # a non-contiguous leaf: copied, not kept
+    assert copies(strided_leaf) is not copies(strided_leaf)
+    del context, first, second
+    import gc
+    gc.collect()
+    assert len(copies._copies) == 1  # only the leaf's view still lives

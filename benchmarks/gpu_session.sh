@@ -17,6 +17,9 @@
 #            it to the next call: compiled and compiled95 share one)
 #   encode   benchmarks/data/encode.py: the Wan 2.1 VAE and UMT5-XXL per clip (carry .whl-av: PyAV)
 #   crash    benchmarks/e2e/compile_crash.py: compile dynamic at 75,600 tokens, variant by variant (CRASH_ARGS)
+#   graphs   benchmarks/e2e/compile_graphs.py: the graphs a mixed-shape run compiles, Wan-1.3B-shaped blocks,
+#            with AOTAutograd's tracing (attention's kernel choice included) but no code generation (~1 min;
+#            GRAPHS_ARGS, e.g. "--backend inductor" for the compile times too)
 #   wan      benchmarks/e2e/wan_runs.py: one of the Wan 2.1 1.3B runs (WAN_RUN=a|b|c; WAN_ARGS), its files in
 #            $OUT/wan/<run>/; calibration caches in .wan_cache/ (put $OUT/wan/cache back there for a second call)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz
@@ -97,6 +100,9 @@ for stage in "$@"; do
     crash)
       run crash "${CRASH_LIMIT_S:-540}" python3 benchmarks/e2e/compile_crash.py --out "$OUT/crash/compile_crash_h200.json" \
         --budget-s $(( ${CRASH_LIMIT_S:-540} - 40 )) ${CRASH_ARGS:-} ;;
+    graphs)
+      run graphs "${GRAPHS_LIMIT_S:-150}" python3 benchmarks/e2e/compile_graphs.py --device cuda --backend aot_eager \
+        --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 --out "$OUT/graphs/compile_graphs_h200.json" ${GRAPHS_ARGS:-} ;;
     wan)  # the fit stops itself 40 s before the stage's limit, so its calibration cache is kept
       case ${WAN_RUN:-} in a|b|c) ;; *) note "wan: set WAN_RUN to a, b or c"; status=1; continue ;; esac
       wan_limit=$(left); [ "$wan_limit" -gt 540 ] && wan_limit=540

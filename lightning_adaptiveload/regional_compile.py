@@ -5,9 +5,10 @@ shared by identical blocks, so dynamo's graphs are per input shape, not per bloc
 call hand the compiled region its tensor arguments as contiguous tensors of their own storage.
 
 Why: dynamo guards on a tensor input's layout and, for a view, on its base's sizes and strides. A
-DiT's first block receives the patch embedding's `flatten(2).transpose(1, 2)`, a non-contiguous view
-of the convolution's output; every later block receives the previous block's output, a plain
-contiguous tensor. The first block's guards therefore fail for every other block, and each graph
+DiT whose first block receives the patch embedding's `flatten(2).transpose(1, 2)` as it is (the
+example DiT; diffusers' Wan model makes it contiguous first, as of 0.42.1) hands that block a
+non-contiguous view of the convolution's output; every later block receives the previous block's
+output, a plain contiguous tensor. The first block's guards therefore fail for every other block, and each graph
 is compiled twice: once for block 0, once for the rest. Each view or non-contiguous input is copied
 once per step (`_Copies`: the first block's hidden states, (B, S, D), and the inputs every block
 shares, the time projection (B, 6, D) and the text context (B, L, D), which are views of a linear's
@@ -16,7 +17,7 @@ against a compile of tens of seconds per graph on a GPU (39-62 s for the shipped
 an H200, docs/lightning.md "Compiled training").
 
 What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the example DiT with the
-per-step checkpointing switch, 14 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
+per-step checkpointing switch, 12 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
 `dynamic` 4 graphs (6 without the copies), `auto` 5 (7). What remains, and why:
 - B = 1 against B >= 2: dynamo specializes a size of 1 (its 0/1 specialization), so a batch of one
   sample and a batch of several are different graphs;

@@ -51,9 +51,13 @@ REMEASURE_REPEATS = 3  # a distrusted fit is measured once more with this many t
 
 
 @contextlib.contextmanager
-def measurement_threads(device: torch.device, info: Callable[[str], None] = print) -> Iterator[None]:
+def measurement_threads(device: torch.device, info: Callable[[str], None] = print,
+                        compiled: bool = False) -> Iterator[None]:
     """Inside, a CPU device's steps run on CPU_MEASUREMENT_THREADS intra-op threads
-    (torch.set_num_threads), restored on exit; a CUDA device is left alone.
+    (torch.set_num_threads), restored on exit; a CUDA device is left alone, and so is a model with
+    compiled regions (`compiled`): dynamo guards on the thread count, so graphs compiled on one
+    thread would all compile again for training's count (the CPU demo with `compile: dynamic` and
+    per-bucket checkpointing compiled 6 graphs instead of 4, 2 of them in training).
 
     Why: on a machine whose cores other processes share, an op split over every core waits for
     its slowest thread, and which thread is preempted changes from step to step: with 2 threads on a
@@ -62,7 +66,7 @@ def measurement_threads(device: torch.device, info: Callable[[str], None] = prin
     grid and verification) runs so, so the models and the measured times priced together agree with
     each other. Training then runs at the machine's thread count: its step times are shorter than
     the measured ones, and the plan balances their ratios, which the thread count changes less."""
-    if device.type != "cpu":
+    if device.type != "cpu" or compiled:
         yield
         return
     threads = torch.get_num_threads()
@@ -115,7 +119,7 @@ class Calibration:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
-        with measurement_threads(self.runner.device, self.info):
+        with measurement_threads(self.runner.device, self.info, compiled=bool(compiled)):
             return self._run(grid, compiled, recompile_limit)
 
     def _run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:

@@ -255,5 +255,7 @@ def test_cpu_measurement_runs_on_one_thread_and_restores_the_count():
         assert torch.get_num_threads() == 2
         with measurement_threads(torch.device("cuda", 0), lambda line: None):  # the GPU path is left alone
             assert torch.get_num_threads() == 2
+        with measurement_threads(torch.device("cpu"), lambda line: None, compiled=True):  # graphs guard on it
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -8,13 +8,14 @@ Why: dynamo guards on a tensor input's layout and, for a view, on its base's siz
 DiT whose first block receives the patch embedding's `flatten(2).transpose(1, 2)` as it is (the
 example DiT; diffusers' Wan model makes it contiguous first, as of 0.42.1) hands that block a
 non-contiguous view of the convolution's output; every later block receives the previous block's
-output, a plain contiguous tensor. The first block's guards therefore fail for every other block, and each graph
-is compiled twice: once for block 0, once for the rest. Each view or non-contiguous input is copied
-once per step (`_Copies`: the first block's hidden states, (B, S, D), and the inputs every block
-shares, the time projection (B, 6, D) and the text context (B, L, D), which are views of a linear's
-output; the blocks share one copy of each, so a step holds one more of each, not one per block),
-against a compile of tens of seconds per graph on a GPU (39-62 s for the shipped 30-block config on
-an H200, docs/lightning.md "Compiled training").
+output, a plain contiguous tensor. The first block's guards therefore fail for every other block,
+and each graph is compiled twice: once for block 0, once for the rest. Each view or non-contiguous
+input is copied once per step (`_own_contiguous`: the first block's hidden states, (B, S, D), and
+the inputs every block shares, the time projection (B, 6, D) and the text context (B, L, D), which
+are views of a linear's output; the blocks share one copy of each, so a step holds one more of
+each, not one per block; ~12 us of host time per block call on this CPU), against a compile of tens
+of seconds per graph on a GPU (39-62 s for the shipped 30-block config on an H200,
+docs/lightning.md "Compiled training").
 
 What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the example DiT with the
 per-step checkpointing switch, 12 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
@@ -33,8 +34,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_adaptiveload._validation import require_choice
 
@@ -43,36 +42,43 @@ from lightning_adaptiveload._validation import require_choice
 COMPILE_MODES = {"static": False, "auto": None, "dynamic": True}
 
 
-class _Copies:
-    """Contiguous copies of their own storage of the view or non-contiguous tensors handed to the
-    compiled blocks, one per tensor while it lives and is not modified in place (its `_version`):
-    the blocks of a step share the copy of an input they share. Differentiable: a copy is a
-    `clone`, so gradients reach the original once, summed over the blocks."""
+_COPY = "_adaptiveload_contiguous_copy"  # on an original tensor: (its _version when copied, the copy)
 
-    def __init__(self):
-        self._copies = WeakIdKeyDictionary()  # original -> (its _version when copied, the copy)
 
-    def __call__(self, value):
-        if not isinstance(value, torch.Tensor) or (value._base is None and value.is_contiguous()):
+def _own_contiguous(value):
+    """`value` with every tensor in it (through tuples, lists and dicts) that is a view or not
+    contiguous replaced by a contiguous copy of its own storage, one copy per tensor while it lives
+    and is not modified in place (its `_version`): the blocks of a step share the copy of an input
+    they share. The copy hangs on the original, so it lives as long as the original does; a leaf's
+    is not kept (the copy's gradient path holds the leaf, a cycle torch cannot collect).
+    Differentiable: a copy is a `clone`, so gradients reach the original once, summed over the
+    blocks. Walked by hand: torch's tree_map took ~40 us a call, 30 blocks a step."""
+    if isinstance(value, torch.Tensor):
+        if value._base is None and value.is_contiguous():
             return value
-        hit = self._copies.get(value)
-        if hit is not None and hit[0] == value._version:
-            return hit[1]
+        kept = getattr(value, _COPY, None)
+        if kept is not None and kept[0] == value._version:
+            return kept[1]
         copy = value.clone(memory_format=torch.contiguous_format)
-        if not value.is_leaf:  # a leaf's copy would keep it alive (its grad accumulator) and never leave
-            self._copies[value] = (value._version, copy)
+        if not value.is_leaf:
+            setattr(value, _COPY, (value._version, copy))
         return copy
+    if isinstance(value, (tuple, list)):
+        return type(value)(_own_contiguous(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _own_contiguous(v) for k, v in value.items()}
+    return value
 
 
 class _ContiguousInputs:
-    """The compiled call of one block, given its tensor arguments through `copies` (module
+    """The compiled call of one block, given its tensor arguments through `_own_contiguous` (module
     docstring)."""
 
-    def __init__(self, compiled: Callable, copies: _Copies):
-        self.compiled, self.copies = compiled, copies
+    def __init__(self, compiled: Callable):
+        self.compiled = compiled
 
     def __call__(self, *args, **kwargs):
-        return self.compiled(*tree_map(self.copies, args), **tree_map(self.copies, kwargs))
+        return self.compiled(*_own_contiguous(args), **_own_contiguous(kwargs))
 
 
 def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> int:
@@ -82,12 +88,11 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> 
     after any surgery that rebinds the blocks' forward (the compiled call traces what is bound
     then), as the examples' `configure_model` does."""
     dynamic = COMPILE_MODES[require_choice("compile mode", mode, COMPILE_MODES)]
-    copies = _Copies()
     compiled = 0
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:
             continue
         block.compile(dynamic=dynamic, **compile_kwargs)
-        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl, copies)
+        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl)
         compiled += 1
     return compiled

@@ -1,9 +1,12 @@
 """compile_blocks' call: the compiled blocks get contiguous inputs of their own storage, gradients unchanged
 (fp64 reference). How many graphs that saves: tests/benchmarks/test_compile_graphs.py."""
+import gc
+import weakref
+
 import pytest
 import torch
 
-from lightning_adaptiveload.regional_compile import _ContiguousInputs, _Copies, compile_blocks
+from lightning_adaptiveload.regional_compile import _COPY, _ContiguousInputs, _own_contiguous, compile_blocks
 
 
 def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradients():
@@ -18,7 +21,7 @@ def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradi
         seen.extend([x, *pair, scale, plain])
         return (x.sum(-1) ** 2).sum() + (pair[0] * pair[1].sum()).sum() + scale.sum() * plain.sum()
 
-    out = _ContiguousInputs(fn, _Copies())(view, (flat, plain), scale=view, plain=plain)
+    out = _ContiguousInputs(fn)(view, (flat, plain), scale=view, plain=plain)
     x, first, second, scale, same = seen
     assert all(t._base is None and t.is_contiguous() for t in (x, first, scale))
     assert second is plain and same is plain  # not a view: handed over as it is
@@ -44,20 +47,19 @@ def test_compile_blocks_compiles_each_block_once_and_names_a_bad_mode():
 
 
 def test_blocks_share_one_copy_of_an_input_until_it_changes_or_dies():
-    copies = _Copies()
     base = torch.randn(4, 6, requires_grad=True)
     context = (base * 2).view(2, 2, 6)  # a non-leaf view, as a linear's 3-D output is
-    first = copies(context)
-    assert copies(context) is first and first._base is None
+    first = _own_contiguous(context)
+    assert _own_contiguous(context) is first and first._base is None
+    assert _own_contiguous({"c": [context]})["c"][0] is first  # through dicts and lists too
     with torch.no_grad():
         context.add_(1.0)  # modified in place: the copy is stale
-    second = copies(context)
+    second = _own_contiguous(context)
     assert second is not first and torch.equal(second, context)
-    leaf = torch.randn(6, 4, requires_grad=True).t()  # a view of a leaf is no leaf: copied and kept
-    assert copies(leaf) is copies(leaf)
     strided_leaf = torch.randn(4, 6)[:, ::2].requires_grad_()  # a non-contiguous leaf: copied, not kept
-    assert copies(strided_leaf) is not copies(strided_leaf)
+    assert _own_contiguous(strided_leaf) is not _own_contiguous(strided_leaf)
+    assert not hasattr(strided_leaf, _COPY)
+    copy = weakref.ref(second)
     del context, first, second
-    import gc
     gc.collect()
-    assert len(copies._copies) == 1  # only the leaf's view still lives
+    assert copy() is None  # the copy went with its original

@@ -13,8 +13,7 @@ and each graph is compiled twice: once for block 0, once for the rest. Each view
 input is copied once per step (`_own_contiguous`: the first block's hidden states, (B, S, D), and
 the inputs every block shares, the time projection (B, 6, D) and the text context (B, L, D), which
 are views of a linear's output; the blocks share one copy of each, so a step holds one more of
-each, not one per block; ~12 us of host time per block call on this CPU), against a compile of tens
-of seconds per graph on a GPU (39-62 s for the shipped 30-block config on an H200,
+each, not one per block), against a compile of tens of seconds per graph on a GPU (39-62 s for the shipped 30-block config on an H200,
 docs/lightning.md "Compiled training").
 
 What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the example DiT with the
@@ -52,7 +51,7 @@ def _own_contiguous(value):
     they share. The copy hangs on the original, so it lives as long as the original does; a leaf's
     is not kept (the copy's gradient path holds the leaf, a cycle torch cannot collect).
     Differentiable: a copy is a `clone`, so gradients reach the original once, summed over the
-    blocks. Walked by hand: torch's tree_map took ~40 us a call, 30 blocks a step."""
+    blocks. Walked by hand: torch's tree_map costs several times more host time, at every block call."""
     if isinstance(value, torch.Tensor):
         if value._base is None and value.is_contiguous():
             return value

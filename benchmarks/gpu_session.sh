@@ -18,8 +18,8 @@
 #   encode   benchmarks/data/encode.py: the Wan 2.1 VAE and UMT5-XXL per clip (carry .whl-av: PyAV)
 #   crash    benchmarks/e2e/compile_crash.py: compile dynamic at 75,600 tokens, variant by variant (CRASH_ARGS)
 #   graphs   benchmarks/e2e/compile_graphs.py: the graphs a mixed-shape run compiles, Wan-1.3B-shaped blocks,
-#            with AOTAutograd's tracing (attention's kernel choice included) but no code generation (
-#            GRAPHS_ARGS, e.g. "--backend inductor" for the compile times too)
+#            with AOTAutograd's tracing (attention's kernel choice included) but no code generation
+#            (GRAPHS_ARGS, e.g. "--backend inductor" for the compile times too)
 #   wan      benchmarks/e2e/wan_runs.py: one of the Wan 2.1 1.3B runs (WAN_RUN=a|b|c; WAN_ARGS), its files in
 #            $OUT/wan/<run>/; calibration caches in .wan_cache/ (put $OUT/wan/cache back there for a second call)
 # Everything each stage writes lands in $OUT/<stage>/ and is packed into $OUT/results.tar.gz

@@ -5,7 +5,7 @@
 Verification prices a batch at its measured warm time where that (B, S) ran, else at the time model's
 prediction times a correction measured on the bucket (`MeasuredCosts`). A bucket none of whose shapes ran
 (each bounded by a larger shape that fit, so never stepped) has no correction of its own. For each record
-and each bucket S with measured fits: its shapes are priced by `MeasuredCosts` built from every *other*
+and each bucket S with measured fits: its shapes are priced by `Verification.costs` from every *other*
 bucket's fits, with the recorded prediction of each shape (`predicted_ms`) as the model, and compared with
 their measured warm times, against the raw prediction (what an unmeasured bucket got before the
 correction was interpolated). Reports per record the mean and largest |price / measured - 1|, and the
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks._meta import RESULTS, run_meta, write_result  # noqa: E402
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, read_per_rank_csv  # noqa: E402
 from lightning_adaptiveload.scheduling import metrics  # noqa: E402
-from lightning_adaptiveload.scheduling.verification import MeasuredCosts, Verification  # noqa: E402
+from lightning_adaptiveload.scheduling.verification import Verification  # noqa: E402
 
 RECORDS = {"H100 80GB, 2026-12-06, first run": "gpu_session9/eager",
            "H100 80GB, 2026-12-06, cached run": "gpu_session9/eager_again",
@@ -45,22 +45,21 @@ class RecordedPredictions:
         return float(out[0]) if b.ndim == 0 else out.reshape(b.shape)
 
 
-def _final(shapes) -> list:
-    """Each bucket's shapes at the depth of its last measured fit (what `Verification.costs` prices with)."""
-    depth = {}
-    for m in sorted(shapes, key=lambda m: m.round):
-        if m.measured_fit:
-            depth[m.seq_len] = m.checkpointed
-    return [m for m in shapes if m.measured_fit and depth.get(m.seq_len) == m.checkpointed]
+def _depths(shapes) -> dict[int, int | None]:
+    """seq_len -> k of each bucket's last measured fit: the depth its table priced at (what
+    `Verification.costs` is given in training)."""
+    return {m.seq_len: m.checkpointed for m in sorted(shapes, key=lambda m: m.round) if m.measured_fit}
 
 
 def held_out(shapes) -> dict:
-    """Each measured bucket priced from the others (module docstring)."""
-    fits = _final(shapes)
+    """Each measured bucket priced from the others (module docstring), through `Verification.costs`
+    as the balanced plan prices batches."""
+    verification, depths = Verification(tuple(shapes)), _depths(shapes)
+    fits = [m for m in shapes if m.measured_fit and depths[m.seq_len] == m.checkpointed]
     model = RecordedPredictions({(m.batch_size, m.seq_len): m.predicted_ms for m in fits})
     rows = []
-    for s in sorted({m.seq_len for m in fits}):
-        costs = MeasuredCosts(model, [m for m in fits if m.seq_len != s])
+    for s in sorted(depths):
+        costs = verification.costs(model, {k: v for k, v in depths.items() if k != s})
         for m in (m for m in fits if m.seq_len == s):
             rows.append({"batch_size": m.batch_size, "seq_len": s, "measured_ms": m.warm_ms, "predicted_ms": m.predicted_ms,
                          "interpolated_ms": float(costs.predict(m.batch_size, s))})
@@ -78,10 +77,10 @@ def _errors(rows: list[dict], truth: str) -> dict:
 def bounded_in_training(shapes, log_dir: Path) -> dict:
     """The bounded shapes that trained more than once, priced from every measured fit, against the
     median of their later training steps."""
-    fits = _final(shapes)
+    depths = _depths(shapes)
+    fits = {(m.batch_size, m.seq_len): m.predicted_ms for m in shapes if m.measured_fit and depths[m.seq_len] == m.checkpointed}
     bounded = {(m.batch_size, m.seq_len): m.predicted_ms for m in shapes if m.status == "bounded"}
-    model = RecordedPredictions({(m.batch_size, m.seq_len): m.predicted_ms for m in fits} | bounded)
-    costs = MeasuredCosts(model, fits)
+    costs = Verification(tuple(shapes)).costs(RecordedPredictions(fits | bounded), depths)
     cols = read_per_rank_csv(log_dir / CSV_NAME)
     samples, seq_len, step_ms = cols["samples"][:, 0], cols["seq_len"][:, 0], cols["step_time_ms"][:, 0]
     later = ~metrics.first_occurrences(cols["samples"], cols["seq_len"])

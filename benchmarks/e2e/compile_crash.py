@@ -7,8 +7,8 @@ shipped), B = 1 at the latents of `--latents` (default 1x32x32 then 21x90x160: S
     python benchmarks/e2e/compile_crash.py --out benchmarks/results/compile_crash_h200.json     # one H200, ~8 min
 
 Variants (`--variants`, in order): eager or compiled with `dynamic=True` as VideoDiTModule does it
-(`regional_compile.compile_blocks`: contiguous inputs of their own storage) or, `_plain`, by
-`nn.Module.compile` alone (how the examples compiled when the crash was seen, gpu_session6), with or without the fused AdaLN surgery, with the per-step checkpointing switch at k of L blocks
+(`regional_compile.compile_blocks`: contiguous inputs of their own storage) or, `_views`, by
+`nn.Module.compile` alone, views reaching the compiled region (how the examples compiled when the crash was seen, gpu_session6), with or without the fused AdaLN surgery, with the per-step checkpointing switch at k of L blocks
 checkpointed (BlockCheckpointing wraps each block's forward before it is compiled, as
 PerBucketCheckpointing and configure_model order it, so torch.utils.checkpoint runs inside the
 compiled region), under single-process FSDP1 (one unit per block, use_orig_params, Lightning's
@@ -36,13 +36,13 @@ LATENTS = [(1, 32, 32), (21, 90, 160)]
 
 
 def _variant(compile: bool, fused: bool = True, checkpointed: int | None = None, fsdp: bool = False,
-             sdpa: str | None = None, plain: bool = False) -> dict:
-    return dict(compile=compile, fused=fused, checkpointed=checkpointed, fsdp=fsdp, sdpa=sdpa, plain=plain)
+             sdpa: str | None = None, views: bool = False) -> dict:
+    return dict(compile=compile, fused=fused, checkpointed=checkpointed, fsdp=fsdp, sdpa=sdpa, views=views)
 
 
 VARIANTS = {  # checkpointed: k blocks of --blocks (-1: all of them, -2: half)
     "dynamic_fused_ckpt_half": _variant(True, checkpointed=-2),
-    "dynamic_fused_ckpt_half_plain": _variant(True, checkpointed=-2, plain=True),
+    "dynamic_fused_ckpt_half_views": _variant(True, checkpointed=-2, views=True),
     "dynamic_plain_ckpt_half": _variant(True, fused=False, checkpointed=-2),
     "dynamic_fused_ckpt_all": _variant(True, checkpointed=-1),
     "dynamic_fused_fsdp_ckpt_half": _variant(True, checkpointed=-2, fsdp=True),
@@ -89,7 +89,7 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
     if spec["checkpointed"] is not None:
         k = {-1: blocks, -2: blocks // 2}.get(spec["checkpointed"], spec["checkpointed"])
         BlockCheckpointing(list(model.blocks)).set_checkpointed(k)
-    if spec["compile"] and spec["plain"]:
+    if spec["compile"] and spec["views"]:
         for block in model.blocks:
             block.compile(dynamic=True)
     elif spec["compile"]:

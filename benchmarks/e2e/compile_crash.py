@@ -8,7 +8,9 @@ shipped), B = 1 at the latents of `--latents` (default 1x32x32 then 21x90x160: S
 
 Variants (`--variants`, in order): eager or compiled with `dynamic=True` as VideoDiTModule does it
 (`regional_compile.compile_blocks`: contiguous inputs of their own storage) or, `_views`, by
-`nn.Module.compile` alone, views reaching the compiled region (how the examples compiled when the crash was seen, gpu_session6), with or without the fused AdaLN surgery, with the per-step checkpointing switch at k of L blocks
+`nn.Module.compile` alone, views reaching the compiled region (how the examples compiled when the
+crash was seen, gpu_session6); with or without the fused AdaLN surgery, with the per-step
+checkpointing switch at k of L blocks
 checkpointed (BlockCheckpointing wraps each block's forward before it is compiled, as
 PerBucketCheckpointing and configure_model order it, so torch.utils.checkpoint runs inside the
 compiled region), under single-process FSDP1 (one unit per block, use_orig_params, Lightning's

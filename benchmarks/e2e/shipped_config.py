@@ -70,13 +70,15 @@ TINY_DATA = dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, num_work
 
 def as_benchmark_run(config: dict, name: str, args: argparse.Namespace) -> dict:
     """`config` (a shipped YAML, loaded; changed in place and returned) as run `name` of a benchmark:
-    one device, one epoch of at most `args.max_steps` steps, logged every `args.log_every`, its files
+    one device, one epoch of at most `args.max_steps` steps (`args.again_max_steps` for a run on another's
+    caches, when given), logged every `args.log_every`, its files
     under `args.workdir`/name (logger version 0, launch() keeps its calibration cache there), the
     calibration's `time_budget_s` (and `warmup`, `repeats` where given) from `args`, and the shards every run of the
     workdir shares (`args.samples` synthetic samples, seed 0: the same samples in every run)."""
     root = str(Path(args.workdir) / name)
     trainer = config["trainer"]
-    trainer.update(devices=1, max_epochs=1, max_steps=args.max_steps, log_every_n_steps=args.log_every, default_root_dir=root,
+    max_steps = args.again_max_steps if name in CACHES_OF and args.again_max_steps is not None else args.max_steps
+    trainer.update(devices=1, max_epochs=1, max_steps=max_steps, log_every_n_steps=args.log_every, default_root_dir=root,
                    enable_progress_bar=False)
     trainer["logger"]["init_args"].update(save_dir=root, name="logs", version=0)
     for callback in trainer["callbacks"]:
@@ -391,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="calibration's timed steps (default: the config's)")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop the epoch early (a short check, not a result)")
+    parser.add_argument("--again-max-steps", type=int, default=None,
+                        help="steps of a run on another's caches (eager_again, compiled_again): its result is the time "
+                             "to the first step, its epoch was measured by the first run (default: --max-steps)")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU (smoke run)")
     parser.add_argument("--combine", nargs="+", default=None, help="result files of earlier calls: one table")

@@ -60,3 +60,17 @@ def test_first_steps_are_grouped_by_verification_and_prices_judged_on_later_step
     # only shapes with later steps are judged: 2 x 4000 at 324 / 300, not the once-run 1 x 3000 at 2.3x
     assert got["worst_shape_median_over_planned"] == pytest.approx(0.08)
     assert got["verification"]["bounded"] == 1 and got["verification"]["replanned"] == 1
+
+
+@pytest.mark.parametrize("again_max_steps", [None, 12])
+def test_a_run_on_another_runs_caches_may_stop_early_and_first_runs_never_do(tmp_path, again_max_steps):
+    import argparse
+
+    args = argparse.Namespace(workdir=str(tmp_path), max_steps=-1, again_max_steps=again_max_steps, log_every=5,
+                              time_budget_s=60.0, warmup=None, repeats=None, samples=80, tiny=False)
+    steps = {name: shipped_config.run_config(name, args)["trainer"]["max_steps"] for name in shipped_config.RUNS}
+    again = {name for name in shipped_config.RUNS if name.endswith("_again")}
+    assert again == set(shipped_config.CACHES_OF) and again
+    for name, max_steps in steps.items():
+        expected = again_max_steps if name in again and again_max_steps is not None else -1
+        assert max_steps == expected, name

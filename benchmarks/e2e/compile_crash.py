@@ -49,6 +49,8 @@ VARIANTS = {  # checkpointed: k blocks of --blocks (-1: all of them, -2: half)
     "dynamic_fused_ckpt_all": _variant(True, checkpointed=-1),
     "dynamic_fused_ckpt_all_views": _variant(True, checkpointed=-1, views=True),  # fits an 80 GB card
     "dynamic_fused_fsdp_ckpt_half": _variant(True, checkpointed=-2, fsdp=True),
+    "dynamic_fused_fsdp_ckpt_all": _variant(True, checkpointed=-1, fsdp=True),
+    "dynamic_fused_fsdp_ckpt_all_views": _variant(True, checkpointed=-1, fsdp=True, views=True),  # as gpu_session6 crashed
     "dynamic_fused": _variant(True),
     "eager_fused_ckpt_half": _variant(False, checkpointed=-2),
     "dynamic_fused_ckpt_half_flash": _variant(True, checkpointed=-2, sdpa="FLASH_ATTENTION"),

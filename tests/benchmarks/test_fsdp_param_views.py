@@ -1,0 +1,23 @@
+"""benchmarks/e2e/fsdp_param_views.py: the traced shapes it reports, against the block's own sizes."""
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("fsdp_param_views", REPO / "benchmarks" / "e2e" / "fsdp_param_views.py")
+fsdp_param_views = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fsdp_param_views
+_spec.loader.exec_module(fsdp_param_views)
+
+
+def test_flat_views_turn_the_modulation_table_symbolic_where_parameters_stay_static():
+    dim, tokens = 24, 10
+    params = fsdp_param_views.traced_inputs(False, dim, tokens)
+    views = fsdp_param_views.traced_inputs(True, dim, tokens)
+    modulation = lambda inputs: next(v for k, v in inputs.items() if "modulation" in k)  # noqa: E731
+    assert modulation(params) == ["1", "6", str(dim)]
+    assert modulation(views)[0] == "1" and not modulation(views)[1].isdigit() and modulation(views)[2] == str(dim)
+    # the tokens are dynamic in both (dynamic=True), never the batch of one
+    for inputs in (params, views):
+        x = next(v for k, v in inputs.items() if k.startswith("l_x"))
+        assert x[0] == "1" and not x[1].isdigit() and x[2] == str(dim)

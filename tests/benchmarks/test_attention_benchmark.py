@@ -2,18 +2,13 @@
 rate in its result file against the formulas worked out here from the model's shape (the per-layer
 parameter count by hand, not the script's shape hooks), the fastest correct backend against the
 timings, and the plot written. The H200 run is the lead's (benchmarks/gpu_session.sh attention)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "kernel" / "attention.py")
-attention_benchmark = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = attention_benchmark
-_spec.loader.exec_module(attention_benchmark)
+from tests.benchmarks import load_benchmark
+
+attention_benchmark = load_benchmark("benchmarks/kernel/attention.py", "attention_benchmark")
 
 
 def linear_fwd_flops_by_hand(c: dict, text_len: int, tokens: int) -> int:

@@ -1,21 +1,15 @@
 """benchmarks/e2e/compile.py's report arithmetic: --combine of two runs' result files compares every mode with
 its own run's eager row, and the pay-back of a mode's extra first pass equals the formula (random
 numbers standing in for measured ones; the GPU runs are the lead's)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
+from tests.benchmarks import REPO, load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("compile_benchmark", REPO / "benchmarks" / "e2e" / "compile.py")
-compile_benchmark = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = compile_benchmark
-_spec.loader.exec_module(compile_benchmark)
+compile_benchmark = load_benchmark("benchmarks/e2e/compile.py", "compile_benchmark")
 M_MEM = 65536
 
 

@@ -1,17 +1,12 @@
 """benchmarks/e2e/compile_graphs.py with dynamo's eager backend (its guards and recompiles are dynamo's;
 inductor only makes each graph slow): a mixed-shape run compiles one graph per specialization that
 regional_compile's docstring states, two fewer than nn.Module.compile alone, with the same losses."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("compile_graphs", REPO / "benchmarks" / "e2e" / "compile_graphs.py")
-compile_graphs = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = compile_graphs
-_spec.loader.exec_module(compile_graphs)
+from tests.benchmarks import load_benchmark
+
+compile_graphs = load_benchmark("benchmarks/e2e/compile_graphs.py", "compile_graphs")
 
 
 @pytest.mark.parametrize("mode,expected", [("dynamic", 4), ("auto", 5)])

@@ -4,7 +4,6 @@ share an optimizer step (gradient accumulation) stay separate rows, short runs g
 that fits, and a missing baseline is a clear error. The GPU runs themselves: benchmarks/gpu_e2e.sh."""
 import argparse
 import csv
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("e2e_benchmark", REPO / "benchmarks" / "e2e" / "e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
+from tests.benchmarks import load_benchmark
+
+e2e = load_benchmark("benchmarks/e2e/e2e.py", "e2e_benchmark")
 
 WORLD, BATCHES = 2, 12
 

@@ -1,20 +1,15 @@
 """benchmarks/data/encode.py in its tiny CPU mode: it runs, writes the result header and rows whose
 arithmetic holds, and its training-step references are the committed H200 results' numbers."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.benchmarks import REPO, load_benchmark
 
 pytest.importorskip("av", reason="the [encode] extra (PyAV) is not installed")
 pytest.importorskip("transformers", reason="the [encode] extra (transformers) is not installed")
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("encode_benchmark", REPO / "benchmarks" / "data" / "encode.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench
-_spec.loader.exec_module(bench)
+bench = load_benchmark("benchmarks/data/encode.py", "encode_benchmark")
 
 
 def test_tiny_cpu_run(tmp_path, one_thread, capsys):

@@ -1,20 +1,14 @@
 """benchmarks/scheduling/first_step_memory.py on a synthetic calibration record: peaks drawn from a known
 memory model (fp64), the first grid point inflated by one-time reserved bytes. Without them the fit recovers
 the model and predicts the verified shapes exactly; with them it does not."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
+from tests.benchmarks import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("first_step_memory", REPO / "benchmarks" / "scheduling" / "first_step_memory.py")
-first_step_memory = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = first_step_memory
-_spec.loader.exec_module(first_step_memory)
+first_step_memory = load_benchmark("benchmarks/scheduling/first_step_memory.py", "first_step_memory")
 GIB = 2**30
 
 

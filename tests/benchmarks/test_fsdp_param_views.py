@@ -1,13 +1,8 @@
 """benchmarks/e2e/fsdp_param_views.py: the traced shapes it reports, against the block's own sizes."""
-import importlib.util
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("fsdp_param_views", REPO / "benchmarks" / "e2e" / "fsdp_param_views.py")
-fsdp_param_views = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fsdp_param_views
-_spec.loader.exec_module(fsdp_param_views)
+from tests.benchmarks import load_benchmark
+
+fsdp_param_views = load_benchmark("benchmarks/e2e/fsdp_param_views.py", "fsdp_param_views")
 
 
 def test_flat_views_turn_the_modulation_table_symbolic_where_parameters_stay_static():

@@ -2,22 +2,16 @@
 arithmetic holds: the fraction of the mix each configuration trains, the epoch tokens/s from the per-bucket
 rows, predicted peaks from the fitted memory model, per-bucket choices inside the budget. (The CPU numbers
 themselves mean nothing; the GPU run is the lead's.)"""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
+from tests.benchmarks import REPO, load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("memory_plan_benchmark", REPO / "benchmarks" / "scheduling" / "memory_plan.py")
-memory_plan = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = memory_plan  # its dataclasses look their module up there
-_spec.loader.exec_module(memory_plan)
+memory_plan = load_benchmark("benchmarks/scheduling/memory_plan.py", "memory_plan_benchmark")
 GiB = 2**30
 
 

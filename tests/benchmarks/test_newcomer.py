@@ -1,18 +1,13 @@
 """benchmarks/e2e/newcomer.py without its long run: the README's Quick start lines as the script
 reads them, the terminal emulator on hand-made progress-bar output against the screen a terminal
 shows, the xtrace split of a `&&` line, and one short line run in the pseudo-terminal."""
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("newcomer", REPO / "benchmarks" / "e2e" / "newcomer.py")
-newcomer = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = newcomer
-_spec.loader.exec_module(newcomer)
+from tests.benchmarks import REPO, load_benchmark
+
+newcomer = load_benchmark("benchmarks/e2e/newcomer.py", "newcomer")
 
 
 def test_quick_start_lines_of_this_readme_and_of_made_up_ones():

@@ -1,21 +1,15 @@
 """benchmarks/e2e/shipped_config.py's summary of one run's logs: each shape's first training step grouped by
 what verification did with it, and the plan's prices judged on later steps only (hand-computed reference)."""
 import csv
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_HEADER, CSV_NAME
+from tests.benchmarks import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("shipped_config", REPO / "benchmarks" / "e2e" / "shipped_config.py")
-shipped_config = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = shipped_config
-_spec.loader.exec_module(shipped_config)
+shipped_config = load_benchmark("benchmarks/e2e/shipped_config.py", "shipped_config")
 
 
 def measured(b, s, status, **kw):

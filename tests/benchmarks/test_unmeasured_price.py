@@ -2,21 +2,15 @@
 is linear in log S (fp64), so a held-out interior bucket is priced exactly by the interpolation and off by
 the model's own error by the raw prediction; a bounded shape that trained is priced against its later steps."""
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_HEADER, CSV_NAME
 from lightning_adaptiveload.scheduling.verification import MeasuredShape
+from tests.benchmarks import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("unmeasured_price", REPO / "benchmarks" / "scheduling" / "unmeasured_price.py")
-unmeasured_price = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = unmeasured_price
-_spec.loader.exec_module(unmeasured_price)
+unmeasured_price = load_benchmark("benchmarks/scheduling/unmeasured_price.py", "unmeasured_price")
 
 
 def error(s: float) -> float:

@@ -4,7 +4,6 @@ an fp64 loop over the buckets, a speed factor known by construction, the targets
 agreement against brute-force windows), epoch 0's tokens/s on a hand-written per-rank CSV, the
 surgery's coverage, bad inputs; and the CPU smoke mode end to end (three `adaptiveload fit` runs)."""
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,11 +13,9 @@ import yaml
 
 from lightning_adaptiveload.cli import main as cli_main
 from lightning_adaptiveload.monitoring.per_rank_log import FIELDS, append_rows
+from tests.benchmarks import REPO, load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("wan_runs", REPO / "benchmarks" / "e2e" / "wan_runs.py")
-wan_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(wan_runs)
+wan_runs = load_benchmark("benchmarks/e2e/wan_runs.py", "wan_runs")
 
 WAN_BLOCK = "diffusers.models.transformers.transformer_wan.WanTransformerBlock"
 

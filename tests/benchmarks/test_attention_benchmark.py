@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from tests.benchmarks import load_benchmark
-
-attention_benchmark = load_benchmark("benchmarks/kernel/attention.py", "attention_benchmark")
+from benchmarks.kernel import attention as attention_benchmark
 
 
 def linear_fwd_flops_by_hand(c: dict, text_len: int, tokens: int) -> int:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.shapes import TokenSpec, read_shapes_jsonl
-from tests.benchmarks import REPO, load_benchmark
+from benchmarks.e2e import compile as compile_benchmark
+from tests.benchmarks import REPO
 
-compile_benchmark = load_benchmark("benchmarks/e2e/compile.py", "compile_benchmark")
 M_MEM = 65536
 
 

@@ -4,9 +4,7 @@ regional_compile's docstring states, two fewer than nn.Module.compile alone, wit
 
 import pytest
 
-from tests.benchmarks import load_benchmark
-
-compile_graphs = load_benchmark("benchmarks/e2e/compile_graphs.py", "compile_graphs")
+from benchmarks.e2e import compile_graphs
 
 
 @pytest.mark.parametrize("mode,expected", [("dynamic", 4), ("auto", 5)])

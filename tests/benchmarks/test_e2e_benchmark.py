@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.benchmarks import load_benchmark
+from benchmarks.e2e import e2e
 
-e2e = load_benchmark("benchmarks/e2e/e2e.py", "e2e_benchmark")
 
 WORLD, BATCHES = 2, 12
 

@@ -4,12 +4,11 @@ import json
 
 import pytest
 
-from tests.benchmarks import REPO, load_benchmark
+from benchmarks.data import encode as bench
+from tests.benchmarks import REPO
 
 pytest.importorskip("av", reason="the [encode] extra (PyAV) is not installed")
 pytest.importorskip("transformers", reason="the [encode] extra (transformers) is not installed")
-
-bench = load_benchmark("benchmarks/data/encode.py", "encode_benchmark")
 
 
 def test_tiny_cpu_run(tmp_path, one_thread, capsys):

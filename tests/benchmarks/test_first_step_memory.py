@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
-from tests.benchmarks import load_benchmark
+from benchmarks.scheduling import first_step_memory
 
-first_step_memory = load_benchmark("benchmarks/scheduling/first_step_memory.py", "first_step_memory")
 GIB = 2**30
 
 

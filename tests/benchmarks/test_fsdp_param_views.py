@@ -1,8 +1,6 @@
 """benchmarks/e2e/fsdp_param_views.py: the traced shapes it reports, against the block's own sizes."""
 
-from tests.benchmarks import load_benchmark
-
-fsdp_param_views = load_benchmark("benchmarks/e2e/fsdp_param_views.py", "fsdp_param_views")
+from benchmarks.e2e import fsdp_param_views
 
 
 def test_flat_views_turn_the_modulation_table_symbolic_where_parameters_stay_static():

@@ -9,9 +9,9 @@ import pytest
 
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.shapes import read_shapes_jsonl
-from tests.benchmarks import REPO, load_benchmark
+from benchmarks.scheduling import memory_plan
+from tests.benchmarks import REPO
 
-memory_plan = load_benchmark("benchmarks/scheduling/memory_plan.py", "memory_plan_benchmark")
 GiB = 2**30
 
 

@@ -5,9 +5,8 @@ import os
 
 import pytest
 
-from tests.benchmarks import REPO, load_benchmark
-
-newcomer = load_benchmark("benchmarks/e2e/newcomer.py", "newcomer")
+from benchmarks.e2e import newcomer
+from tests.benchmarks import REPO
 
 
 def test_quick_start_lines_of_this_readme_and_of_made_up_ones():

@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_HEADER, CSV_NAME
-from tests.benchmarks import load_benchmark
-
-shipped_config = load_benchmark("benchmarks/e2e/shipped_config.py", "shipped_config")
+from benchmarks.e2e import shipped_config
 
 
 def measured(b, s, status, **kw):

@@ -8,9 +8,7 @@ import pytest
 
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_HEADER, CSV_NAME
 from lightning_adaptiveload.scheduling.verification import MeasuredShape
-from tests.benchmarks import load_benchmark
-
-unmeasured_price = load_benchmark("benchmarks/scheduling/unmeasured_price.py", "unmeasured_price")
+from benchmarks.scheduling import unmeasured_price
 
 
 def error(s: float) -> float:

@@ -13,9 +13,9 @@ import yaml
 
 from lightning_adaptiveload.cli import main as cli_main
 from lightning_adaptiveload.monitoring.per_rank_log import FIELDS, append_rows
-from tests.benchmarks import REPO, load_benchmark
+from benchmarks.e2e import wan_runs
+from tests.benchmarks import REPO
 
-wan_runs = load_benchmark("benchmarks/e2e/wan_runs.py", "wan_runs")
 
 WAN_BLOCK = "diffusers.models.transformers.transformer_wan.WanTransformerBlock"
 

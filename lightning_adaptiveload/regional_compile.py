@@ -69,14 +69,31 @@ def _own_contiguous(value):
     return value
 
 
+def _mark_tensor_attributes_static(modules: Iterable[nn.Module]) -> None:
+    """Mark every size of each plain tensor (not an `nn.Parameter`) that `modules` hold as attributes
+    static for dynamo. FSDP1 with `use_orig_params=True` replaces a unit's parameters during forward
+    by plain tensor views of its flat parameter; dynamo keeps a parameter's sizes static, but under
+    `dynamic=True` makes every size of a plain tensor symbolic, so the graphs then carry the weights'
+    sizes (D, the modulation table's 6) as symbols, shared by duck sizing with activation sizes that
+    happen to be equal (benchmarks/e2e/fsdp_param_views.py). The views are new tensors at every
+    forward, hence marked at every call."""
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                torch._dynamo.mark_static(value)
+
+
 class _ContiguousInputs:
-    """The compiled call of one block, given its tensor arguments through `_own_contiguous` (module
+    """The compiled call of one block: its plain tensor attributes' sizes marked static
+    (`_mark_tensor_attributes_static`), its tensor arguments given through `_own_contiguous` (module
     docstring)."""
 
-    def __init__(self, compiled: Callable):
+    def __init__(self, compiled: Callable, block: nn.Module | None = None):
         self.compiled = compiled
+        self.modules = tuple(block.modules()) if block is not None else ()
 
     def __call__(self, *args, **kwargs):
+        _mark_tensor_attributes_static(self.modules)
         return self.compiled(*_own_contiguous(args), **_own_contiguous(kwargs))
 
 
@@ -92,6 +109,6 @@ def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> 
         if getattr(block, "_compiled_call_impl", None) is not None:
             continue
         block.compile(dynamic=dynamic, **compile_kwargs)
-        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl)
+        block._compiled_call_impl = _ContiguousInputs(block._compiled_call_impl, block)
         compiled += 1
     return compiled

@@ -8,6 +8,8 @@ import torch
 
 from lightning_adaptiveload.regional_compile import _COPY, _ContiguousInputs, _own_contiguous, compile_blocks
 
+from benchmarks.e2e.fsdp_param_views import Block, as_flat_views
+
 
 def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradients():
     rng = torch.Generator().manual_seed(0)
@@ -63,3 +65,32 @@ def test_blocks_share_one_copy_of_an_input_until_it_changes_or_dies():
     del context, first, second
     gc.collect()
     assert copy() is None  # the copy went with its original
+
+
+def test_a_block_holding_flat_parameter_views_compiles_with_static_weight_sizes_and_the_same_math():
+    """FSDP1's forward-time parameter views (plain tensors): compile_blocks marks their sizes static
+    at every call, on the new tensor each forward brings too, and the compiled block computes what
+    eager does (fp64), with one graph for both token counts."""
+    torch.manual_seed(0)
+    dim = 16
+    block = Block(dim).double()
+    reference = Block(dim).double()
+    reference.load_state_dict(block.state_dict())
+    as_flat_views(block)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({node.name: tuple(node.meta["example_value"].shape) for node in gm.graph.nodes
+                       if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor)})
+        return gm.forward
+
+    compile_blocks([block], "dynamic", backend=backend)
+    for tokens in (5, 9):
+        block.modulation = block.modulation.clone()  # a new plain tensor, as FSDP1 sets one at each forward
+        x = torch.randn(1, tokens, dim, dtype=torch.float64)
+        e = torch.randn(1, 6, dim, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(block(x, e), reference(x, e), rtol=1e-12, atol=1e-12)
+    assert len(graphs) == 1
+    modulation = next(shape for name, shape in graphs[0].items() if "modulation" in name)
+    assert modulation == (1, 6, dim) and all(type(size) is int for size in modulation)

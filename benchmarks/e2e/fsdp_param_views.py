@@ -10,7 +10,9 @@ Why: `compile: dynamic` under FSDP1 failed with an illegal memory access in an i
 dynamic_fused_fsdp_ckpt_all_views), and that run's graphs carry the parameters' sizes as symbols
 (the modulation's 6 chunks as `(s81 + 5)//6`, D as `s18`); without FSDP the same compile ran both
 shapes. Per case: each graph input's name and shape as dynamo traced it (a symbol where it is
-dynamic).
+dynamic). Cases: `parameters` and `flat_views` compiled by `nn.Module.compile(dynamic=True)`;
+`flat_views_compile_blocks` compiled by `regional_compile.compile_blocks(..., "dynamic")`, which marks
+a block's plain tensor attributes static at every call (the fix).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (see benchmarks/_meta.py)
 from benchmarks._meta import run_meta, write_result  # noqa: E402
+from lightning_adaptiveload import regional_compile  # noqa: E402
 
 
 class Block(nn.Module):
@@ -51,8 +54,13 @@ def as_flat_views(block: nn.Module) -> None:
         offset += p.numel()
 
 
-def traced_inputs(views: bool, dim: int, tokens: int) -> dict[str, list[str]]:
-    """name -> traced shape of every input of the graph dynamo captured for one forward + backward."""
+CASES = {  # name -> (the parameters as flat views, compiled by compile_blocks)
+    "parameters": (False, False), "flat_views": (True, False), "flat_views_compile_blocks": (True, True)}
+
+
+def traced_inputs(views: bool, dim: int, tokens: int, compile_blocks: bool = False) -> dict[str, list[str]]:
+    """name -> traced shape of every input of the graph dynamo captured for one forward + backward,
+    the block compiled by `nn.Module.compile(dynamic=True)` or, `compile_blocks`, by ours."""
     torch._dynamo.reset()
     seen: dict[str, list[str]] = {}
 
@@ -66,7 +74,10 @@ def traced_inputs(views: bool, dim: int, tokens: int) -> dict[str, list[str]]:
     block = Block(dim)
     if views:
         as_flat_views(block)
-    block.compile(dynamic=True, backend=backend)
+    if compile_blocks:
+        regional_compile.compile_blocks([block], "dynamic", backend=backend)
+    else:
+        block.compile(dynamic=True, backend=backend)
     x = torch.randn(1, tokens, dim, requires_grad=True)
     block(x, torch.randn(1, 6, dim)).sum().backward()
     return seen
@@ -78,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    cases = {name: traced_inputs(name == "flat_views", args.dim, args.tokens) for name in ("parameters", "flat_views")}
+    cases = {name: traced_inputs(views, args.dim, args.tokens, ours) for name, (views, ours) in CASES.items()}
     for name, inputs in cases.items():
         symbolic = {k: v for k, v in inputs.items() if not all(s.isdigit() for s in v)}
-        print(f"{name:10s} {len(inputs)} inputs, symbolic: " + "; ".join(f"{k} {v}" for k, v in symbolic.items()))
+        print(f"{name:26s} {len(inputs)} inputs, symbolic: " + "; ".join(f"{k} {v}" for k, v in symbolic.items()))
     write_result(args.out, {**run_meta("fsdp_param_views", argv), "dim": args.dim, "tokens": args.tokens, "cases": cases})
 
 

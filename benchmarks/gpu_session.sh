@@ -69,8 +69,8 @@ for stage in "$@"; do
         mkdir -p "$OUT/build" && for so in lightning_adaptiveload/_C*.so; do strip -g -o "$OUT/build/$(basename "$so")" "$so"; done
       fi
       run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())" ;;
-    tests)  # TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran on this commit's csrc
-      run tests 240 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/ ${TESTS_ARGS:-} ;;
+    tests)  # TESTS_PATHS (default tests/); TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran
+      run tests "${TESTS_LIMIT_S:-240}" python3 -m pytest -q -rs -p no:cacheprovider -m cuda ${TESTS_PATHS:-tests/} ${TESTS_ARGS:-} ;;
     host)
       run host 90 python3 benchmarks/kernel/adaln_host.py --out "$OUT/host/adaln_host_h200.json" ;;
     compile)

@@ -7,7 +7,8 @@ shipped), B = 1 at the latents of `--latents` (default 1x32x32 then 21x90x160: S
     python benchmarks/e2e/compile_crash.py --out benchmarks/results/compile_crash_h200.json     # one H200, ~8 min
 
 Variants (`--variants`, in order): eager or compiled with `dynamic=True` as VideoDiTModule does it
-(`regional_compile.compile_blocks`: contiguous inputs of their own storage) or, `_views`, by
+(`regional_compile.compile_blocks`: contiguous inputs of their own storage, plain tensor attributes
+such as FSDP1's parameter views marked static; `_unmarked`: not marked, as before that fix) or, `_views`, by
 `nn.Module.compile` alone, views reaching the compiled region (how the examples compiled when the
 crash was seen, gpu_session6); with or without the fused AdaLN surgery, with the per-step
 checkpointing switch at k of L blocks
@@ -38,8 +39,9 @@ LATENTS = [(1, 32, 32), (21, 90, 160)]
 
 
 def _variant(compile: bool, fused: bool = True, checkpointed: int | None = None, fsdp: bool = False,
-             sdpa: str | None = None, views: bool = False) -> dict:
-    return dict(compile=compile, fused=fused, checkpointed=checkpointed, fsdp=fsdp, sdpa=sdpa, views=views)
+             sdpa: str | None = None, views: bool = False, unmarked: bool = False) -> dict:
+    return dict(compile=compile, fused=fused, checkpointed=checkpointed, fsdp=fsdp, sdpa=sdpa, views=views,
+                unmarked=unmarked)
 
 
 VARIANTS = {  # checkpointed: k blocks of --blocks (-1: all of them, -2: half)
@@ -50,6 +52,7 @@ VARIANTS = {  # checkpointed: k blocks of --blocks (-1: all of them, -2: half)
     "dynamic_fused_ckpt_all_views": _variant(True, checkpointed=-1, views=True),  # fits an 80 GB card
     "dynamic_fused_fsdp_ckpt_half": _variant(True, checkpointed=-2, fsdp=True),
     "dynamic_fused_fsdp_ckpt_all": _variant(True, checkpointed=-1, fsdp=True),
+    "dynamic_fused_fsdp_ckpt_all_unmarked": _variant(True, checkpointed=-1, fsdp=True, unmarked=True),
     "dynamic_fused_fsdp_ckpt_all_views": _variant(True, checkpointed=-1, fsdp=True, views=True),  # as gpu_session6 crashed
     "dynamic_fused": _variant(True),
     "eager_fused_ckpt_half": _variant(False, checkpointed=-2),
@@ -83,7 +86,7 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
     from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
     from examples.video_dit.surgery import VIDEO_DIT_PATTERNS
     from lightning_adaptiveload.checkpointing.switch import BlockCheckpointing
-    from lightning_adaptiveload.regional_compile import compile_blocks
+    from lightning_adaptiveload import regional_compile
     from lightning_adaptiveload.surgery import apply_fused_adaln
 
     spec = VARIANTS[variant]
@@ -98,7 +101,9 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
         for block in model.blocks:
             block.compile(dynamic=True)
     elif spec["compile"]:
-        compile_blocks(model.blocks, "dynamic")
+        if spec["unmarked"]:  # FSDP1's parameter views left with symbolic sizes, as before the fix
+            regional_compile._mark_tensor_attributes_static = lambda modules: None
+        regional_compile.compile_blocks(model.blocks, "dynamic")
     network = _fsdp(model) if spec["fsdp"] else model
     for thw in latents:
         latents_ = torch.randn(1, 16, *thw, device="cuda")

@@ -68,7 +68,10 @@ for stage in "$@"; do
         # the build, for a later call to carry (a fresh machine would spend the build again)
         mkdir -p "$OUT/build" && for so in lightning_adaptiveload/_C*.so; do strip -g -o "$OUT/build/$(basename "$so")" "$so"; done
       fi
-      run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())" ;;
+      run backend 120 python3 -c "import lightning_adaptiveload.ops as o; print(o.backend())"
+      # a carried wheel that shadows one of the image's (huggingface_hub 2.x under its transformers) breaks
+      # `import lightning` in every later stage: fail here, in seconds
+      run imports 60 python3 -c "import lightning, jsonargparse, webdataset, diffusers; print('imports ok')" ;;
     tests)  # TESTS_PATHS (default tests/); TESTS_ARGS: e.g. --ignore=tests/ops when the kernels' tests already ran
       run tests "${TESTS_LIMIT_S:-240}" python3 -m pytest -q -rs -p no:cacheprovider -m cuda ${TESTS_PATHS:-tests/} ${TESTS_ARGS:-} ;;
     host)

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child, args.blocks, args.latents)
+    meta = run_meta("compile_crash", argv)  # before any variant runs: an environment that cannot describe itself fails in seconds
     start, results = time.perf_counter(), {}
     for variant in args.variants:
         left = args.budget_s - (time.perf_counter() - start)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{variant:34s} rc={rc} {results[variant]['seconds']:6.1f}s "
               + " ".join(f"{tuple(r['latent'])}:{r['status']}" for r in rows) + f" sdpa={results[variant]['sdpa_ops']}",
               flush=True)
-        write_result(args.out, {**run_meta("compile_crash", argv), "blocks": args.blocks, "latents": args.latents,
+        write_result(args.out, {**meta, "blocks": args.blocks, "latents": args.latents,
                                 "variants": results})
 
 

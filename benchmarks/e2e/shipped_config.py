@@ -59,10 +59,12 @@ RUNS = {
     "compiled95": ("h200_fsdp.yaml", {"compile": "auto", "max_memory_fraction": 0.95}),
     "eager_again": ("h200_fsdp.yaml", {"compile": None}),
     "compiled_again": ("h200_fsdp.yaml", {"compile": "auto"}),
+    "dynamic": ("h200_fsdp.yaml", {"compile": "dynamic"}),
+    "dynamic_again": ("h200_fsdp.yaml", {"compile": "dynamic"}),
 }
 # A second run of a config, on the first one's caches (calibration_cache.json, compile_cache/): what a
 # user's next start of the same config waits
-CACHES_OF = {"eager_again": "eager", "compiled_again": "compiled"}
+CACHES_OF = {"eager_again": "eager", "compiled_again": "compiled", "dynamic_again": "dynamic"}
 TINY_MODEL = dict(in_channels=4, dim=64, num_layers=2, num_heads=4, ffn_dim=128, text_dim=32, freq_dim=64)
 TINY_DATA = dict(m_mem=640, latent_channels=4, text_len=8, text_dim=32, num_workers=0,
                  synthesize_shapes=str(REPO / "examples" / "configs" / "demo_mix.jsonl"), synthesize_latent_scale=1.0)

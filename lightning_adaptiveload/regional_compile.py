@@ -88,9 +88,9 @@ class _ContiguousInputs:
     (`_mark_tensor_attributes_static`), its tensor arguments given through `_own_contiguous` (module
     docstring)."""
 
-    def __init__(self, compiled: Callable, block: nn.Module | None = None):
+    def __init__(self, compiled: Callable, block: nn.Module):
         self.compiled = compiled
-        self.modules = tuple(block.modules()) if block is not None else ()
+        self.modules = tuple(block.modules())
 
     def __call__(self, *args, **kwargs):
         _mark_tensor_attributes_static(self.modules)

@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_adaptiveload.regional_compile import _COPY, _ContiguousInputs, _own_contiguous, compile_blocks
 
@@ -23,7 +24,7 @@ def test_the_compiled_call_gets_contiguous_tensors_of_its_own_and_the_same_gradi
         seen.extend([x, *pair, scale, plain])
         return (x.sum(-1) ** 2).sum() + (pair[0] * pair[1].sum()).sum() + scale.sum() * plain.sum()
 
-    out = _ContiguousInputs(fn)(view, (flat, plain), scale=view, plain=plain)
+    out = _ContiguousInputs(fn, nn.Module())(view, (flat, plain), scale=view, plain=plain)
     x, first, second, scale, same = seen
     assert all(t._base is None and t.is_contiguous() for t in (x, first, scale))
     assert second is plain and same is plain  # not a view: handed over as it is

@@ -3,7 +3,9 @@
 # order, each with its own time limit, inside an overall budget (GPU_BUDGET_S, default 560 s).
 #   bash benchmarks/gpu_session.sh setup tests host compile        # e.g. carry .whl
 # Stages:
-#   setup    wheels from .whl (webdataset, jsonargparse, diffusers, ... missing on the image), the
+#   setup    wheels from .whl (webdataset, jsonargparse, diffusers, ... missing on the image: `pip download` them
+#            for cp312 with their dependencies, minus numpy, packaging, typing_extensions, filelock and fsspec,
+#            and with huggingface_hub < 2, which the image's transformers requires), the
 #            CUDA extension built in place (sm_90) unless a carried build loads, the op's backend
 #   tests    every test marked `cuda` (pytest -m cuda), log kept
 #   host     benchmarks/kernel/adaln_host.py: host cost of the fused op per call

@@ -29,7 +29,8 @@ T = 1 (images) against T > 1 costs nothing: a block sees S = T H W / patch token
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -69,32 +70,63 @@ def _own_contiguous(value):
     return value
 
 
-def _mark_tensor_attributes_static(modules: Iterable[nn.Module]) -> None:
-    """Mark every size of each plain tensor (not an `nn.Parameter`) that `modules` hold as attributes
-    static for dynamo. FSDP1 with `use_orig_params=True` replaces a unit's parameters during forward
-    by plain tensor views of its flat parameter; dynamo keeps a parameter's sizes static, but under
-    `dynamic=True` makes every size of a plain tensor symbolic, so the graphs then carry the weights'
-    sizes (D, the modulation table's 6) as symbols, shared by duck sizing with activation sizes that
-    happen to be equal (benchmarks/e2e/fsdp_param_views.py). The views are new tensors at every
-    forward, hence marked at every call."""
+def _plain_tensor_attributes(modules: Iterable[nn.Module]) -> Iterator[torch.Tensor]:
+    """Every tensor `modules` hold as an attribute that is not an `nn.Parameter`: under FSDP1 with
+    `use_orig_params=True`, a unit's parameters during forward (plain tensor views of its flat
+    parameter, new ones at every forward)."""
     for module in modules:
         for value in vars(module).values():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                torch._dynamo.mark_static(value)
+                yield value
+
+
+@contextlib.contextmanager
+def _traced_as_plain_views(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Around a compiled call of `modules`: every plain tensor attribute's sizes marked static, and
+    the gradient of each such view's base (FSDP1's flat parameter) set aside, put back on exit.
+
+    Sizes: dynamo keeps a parameter's sizes static but, under `dynamic=True`, makes every size of a
+    plain tensor symbolic, so the graphs carried the weights' sizes (D, the modulation table's 6) as
+    symbols, shared by duck sizing with activation sizes that happen to be equal
+    (benchmarks/e2e/fsdp_param_views.py); the views are new tensors at every forward, hence marked at
+    every call.
+
+    Gradients: dynamo fakeifies a view's base with its `.grad`, and FSDP1 holds the flat parameter in
+    the compute dtype (bf16 under bf16-mixed) or unsharded during forward while its gradient, from the
+    previous step (Lightning zeroes gradients after `training_step`) or an earlier micro-batch, stays
+    fp32 or sharded: a pairing torch's fake tensors refuse ("attempting to assign a gradient with
+    dtype 'float' to a tensor with grad_dtype 'BFloat16'", every compile mode, from the second step
+    on; benchmarks/results/gpu_session12). Set aside, the gradient is absent from every trace (and
+    from dynamo's guards, consistently). It is put back as FSDP1 itself holds the pair, through a
+    `.data` swap, since the `.grad` setter refuses a gradient of another dtype or shape."""
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for value in _plain_tensor_attributes(modules):
+        torch._dynamo.mark_static(value)
+        base = value._base
+        if base is not None and base.grad is not None and id(base) not in held:
+            held[id(base)] = (base, base.grad)
+            base.grad = None
+    try:
+        yield
+    finally:
+        for base, grad in held.values():
+            data = base.data
+            base.data = grad
+            base.grad = grad
+            base.data = data
 
 
 class _ContiguousInputs:
-    """The compiled call of one block: its plain tensor attributes' sizes marked static
-    (`_mark_tensor_attributes_static`), its tensor arguments given through `_own_contiguous` (module
-    docstring)."""
+    """The compiled call of one block: traced as plain views (`_traced_as_plain_views`), its tensor
+    arguments given through `_own_contiguous` (module docstring)."""
 
     def __init__(self, compiled: Callable, block: nn.Module):
         self.compiled = compiled
         self.modules = tuple(block.modules())
 
     def __call__(self, *args, **kwargs):
-        _mark_tensor_attributes_static(self.modules)
-        return self.compiled(*_own_contiguous(args), **_own_contiguous(kwargs))
+        with _traced_as_plain_views(self.modules):
+            return self.compiled(*_own_contiguous(args), **_own_contiguous(kwargs))
 
 
 def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> int:

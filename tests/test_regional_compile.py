@@ -95,3 +95,41 @@ def test_a_block_holding_flat_parameter_views_compiles_with_static_weight_sizes_
     assert len(graphs) == 1
     modulation = next(shape for name, shape in graphs[0].items() if "modulation" in name)
     assert modulation == (1, 6, dim) and all(type(size) is int for size in modulation)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "auto"])
+def test_a_flat_parameter_whose_gradient_has_another_dtype_compiles_and_keeps_its_gradient(mode):
+    """FSDP1 under bf16-mixed during a forward after the first step: the flat parameter holds bf16
+    data (the views the block computes with) while its gradient, from the step before, stays fp32.
+    torch's fake tensors refuse that pair; compile_blocks sets the gradient aside while it traces and
+    puts the same tensor back. Two token counts; the block computes what the uncompiled one does."""
+    torch.manual_seed(0)
+    dim = 16
+    block = Block(dim)
+    params = list(block.named_parameters())
+    as_flat_views(block)
+    flat = block.modulation._base
+    gradient = torch.randn(flat.shape)  # fp32, the previous step's
+    flat.grad = gradient
+    flat.data = flat.data.to(torch.bfloat16)  # as FSDP1 swaps in the compute dtype's copy
+
+    def views():  # FSDP1 sets new views of the flat parameter at every forward
+        offset = 0
+        for name, p in params:
+            owner, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(owner) if owner else block, leaf,
+                    flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+    expected = gradient.clone()
+    compile_blocks([block], mode, backend=lambda gm, example_inputs: gm.forward)
+    for tokens in (5, 9):
+        views()
+        x = torch.randn(1, tokens, dim, dtype=torch.bfloat16)
+        e = torch.randn(1, 6, dim, dtype=torch.bfloat16)
+        out = block(x, e)
+        reference = Block.forward(block, x, e)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, reference, rtol=0, atol=0)
+        assert flat.grad is gradient and flat.grad.dtype == torch.float32 and torch.equal(gradient, expected)
+        assert flat.dtype == torch.bfloat16

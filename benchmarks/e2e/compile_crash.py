@@ -15,7 +15,9 @@ checkpointing switch at k of L blocks
 checkpointed (BlockCheckpointing wraps each block's forward before it is compiled, as
 PerBucketCheckpointing and configure_model order it, so torch.utils.checkpoint runs inside the
 compiled region), under single-process FSDP1 (one unit per block, use_orig_params, Lightning's
-bf16-mixed policy) or not, and with one SDPA backend forced. Per variant and shape: ok or the error's
+bf16-mixed policy: parameters, reductions and buffers in bf16) or not, and with one SDPA backend forced.
+Each shape's forward runs with the previous shape's gradients held, as under Lightning's automatic
+optimization (zero_grad after training_step, before backward). Per variant and shape: ok or the error's
 last lines and the generated-code line that launched the faulting kernel, and which SDPA aten op the
 compiled graphs call (from the post-grad graphs: TORCH_LOGS=post_grad_graphs). The result file is
 rewritten after each variant.
@@ -73,7 +75,7 @@ def _fsdp(model):
     from examples.video_dit.model import DiTBlock
 
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0)
-    policy = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({DiTBlock}), mixed_precision=policy,
                                     use_orig_params=True, device_id=torch.cuda.current_device())
 
@@ -102,7 +104,7 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
             block.compile(dynamic=True)
     elif spec["compile"]:
         if spec["unmarked"]:  # FSDP1's parameter views left with symbolic sizes, as before the fix
-            regional_compile._mark_tensor_attributes_static = lambda modules: None
+            torch._dynamo.mark_static = lambda *args, **kwargs: None
         regional_compile.compile_blocks(model.blocks, "dynamic")
     network = _fsdp(model) if spec["fsdp"] else model
     for thw in latents:
@@ -115,6 +117,7 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = flow_matching_loss(network, latents_, text, torch.rand(1, device="cuda"),
                                               torch.randn_like(latents_))
+                network.zero_grad(set_to_none=True)  # Lightning's order: after the forward, before backward
                 loss.backward()
             torch.cuda.synchronize()
             row = {"latent": thw, "status": "ok", "loss": float(loss), "seconds": round(time.perf_counter() - begin, 2),
@@ -128,7 +131,6 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
                    "traceback_tail": traceback.format_exc().splitlines()[-30:]}
             print(json.dumps(row), flush=True)
             return
-        model.zero_grad(set_to_none=True)
         print(json.dumps(row), flush=True)
 
 

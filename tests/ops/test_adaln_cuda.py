@@ -3,6 +3,8 @@ autograd), on random inputs seeded from each case (tests/helpers/seeds.py: a fai
 outputs poisoned (NaN) before every call.
 Run on a GPU machine after building the extension: `bash benchmarks/gpu_kernel.sh`."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ def rel_err(out, ref):
 def poison_allocator(nbytes):
     """Fill memory the caching allocator will hand out next with NaN bits (0xFF bytes), so an
     output element the kernel never writes shows up as NaN."""
+    gc.collect()  # tensors earlier tests left in reference cycles would keep unpoisoned fragments cached
     torch.cuda.empty_cache()  # so the poisoned blocks are the only cached ones
     blocks = [torch.empty(int(nbytes), dtype=torch.uint8, device="cuda")]
     blocks += [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(32)]  # small pool

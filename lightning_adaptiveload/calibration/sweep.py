@@ -27,7 +27,13 @@ def dominated(points: list[dict], b: int, s: int, checkpointed: int | None) -> b
 
 
 def point_line(point: dict) -> str:
-    return f"{point['time_ms']:.2f} ms" if point["status"] == "ok" else point["status"]
+    """A point as its progress line shows it: the warm step time and the first (cold) step's, which
+    holds a compiled model's compilation of the shape (the cold time is outside calibration's time
+    budget, so a run's log is the only place it shows before calibration ends), or its status."""
+    if point["status"] != "ok":
+        return point["status"]
+    cold = "" if point.get("cold_ms") is None else f" ({point['cold_ms']:.1f} cold)"
+    return f"{point['time_ms']:.2f} ms warm{cold}"
 
 
 def measure_point(runner: Runner, batch_fn: Callable[[], dict], warmup: int, repeats: int, settle: bool,

@@ -242,6 +242,22 @@ def test_the_time_budget_counts_warm_measurement_not_the_cold_steps():
     assert all(p["cold_ms"] >= cold_ms for p in points if p["status"] == "ok")
 
 
+def test_each_progress_line_shows_the_warm_and_the_cold_step_of_its_point():
+    runner = FakeRunner(np.random.default_rng(4), cold_extra_ms=40_000.0)
+    lines = []
+    points = sweep(runner, lambda s, b: {"b": b, "s": s}, [(1, 64), (2, 64)], batch_sizes=(1, 2), max_tokens=None,
+                   warmup=1, repeats=2, time_budget_s=1e9, memory_limit=None, checkpointed=(L, L // 2),
+                   checkpointing=runner.checkpointing, progress=lines.append, clock=lambda: runner.now)
+    ok = [p for p in points if p["status"] == "ok"]
+    assert len(lines) == len(points) and len(ok) >= 2
+    for line, point in zip(lines, points):
+        if point["status"] == "ok":
+            assert line.endswith(f"{point['time_ms']:.2f} ms warm ({point['cold_ms']:.1f} cold)")
+            assert point["cold_ms"] >= 40_000.0 > point["time_ms"]
+        else:
+            assert line.endswith(point["status"])
+
+
 def test_cpu_measurement_runs_on_one_thread_and_restores_the_count():
     before = torch.get_num_threads()
     try:

@@ -103,12 +103,16 @@ class Calibration:
                  optimizers: list[torch.optim.Optimizer], key: dict, cache_path: Path,
                  restored_points: list[dict] | None = None, restored_verification: Verification | None = None,
                  restored_models: tuple[MemoryModel, DepthCostModel] | None = None,
+                 save: Callable[[CalibrationResult], None] | None = None,
                  info: Callable[[str], None] = print, warn: Callable[[str], None] = print):
         check_datamodule(datamodule)
         self.config, self.runner, self.datamodule, self.switch = config, runner, datamodule, switch
         self.optimizers, self.key, self.cache_path = optimizers, key, cache_path
         self.restored_points, self.restored_verification = restored_points, restored_verification
         self.restored_models = restored_models
+        # called on every rank with the measured, trusted calibration before verification runs, so a run
+        # stopped in verification (a time limit, a preemption) leaves its points to the next run's cache
+        self.save = save
         self.info, self.warn = info, warn
         self.every_block = None if switch is None else switch.num_blocks  # k of the cost model's points
         self.grid_checkpointed = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
@@ -148,23 +152,23 @@ class Calibration:
                 points, source = self._sweep(grid, REMEASURE_REPEATS * config.repeats, not compiled), Source.MEASURED_AGAIN
                 cost_model, reasons, m_mem, memory = self._fit(points, memory_terms)
         self.memory = self._apply(cost_model, reasons, m_mem, memory)
-        calibration_s = time.perf_counter() - start
-        outcome, state = None, None
+        result = CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
+                                   m_mem=m_mem, memory=self.memory, calibration_s=time.perf_counter() - start,
+                                   cold_s=self.cold_s, compiled_regions=tuple(compiled), recompile_limit=recompile_limit)
+        if not config.verify:
+            return result
+        if self.save is not None and result.cacheable:
+            self.save(result)
         verify_start = time.perf_counter()
-        if config.verify:
-            # the kernels of the grid's (B, S) are built in this process when it measured them; a
-            # compiled model may compile again on any new shape, so its cold steps never stand for warm ones
-            built: set[tuple[int, int]] | None = None
-            if not compiled:
-                built = {(p["batch_size"], p["seq_len"]) for p in points if p["status"] == "ok"} \
-                    if source in (Source.MEASURED, Source.MEASURED_AGAIN) else set()
-            outcome, state = self._verify(points, None if reasons else cost_model, built)
-        return CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
-                                 m_mem=m_mem, memory=self.memory, verification=outcome,
-                                 optimizer_state=state, calibration_s=calibration_s,
-                                 verify_s=time.perf_counter() - verify_start, cold_s=self.cold_s,
-                                 compiled_regions=tuple(compiled),
-                                 recompile_limit=recompile_limit)
+        # the kernels of the grid's (B, S) are built in this process when it measured them; a
+        # compiled model may compile again on any new shape, so its cold steps never stand for warm ones
+        built: set[tuple[int, int]] | None = None
+        if not compiled:
+            built = {(p["batch_size"], p["seq_len"]) for p in points if p["status"] == "ok"} \
+                if source in (Source.MEASURED, Source.MEASURED_AGAIN) else set()
+        outcome, state = self._verify(points, None if reasons else cost_model, built)
+        return replace(result, verification=outcome, optimizer_state=state, verify_s=time.perf_counter() - verify_start,
+                       verifies_cache=source is Source.CACHE and self.cached_verification is None)
 
     # ---- 1. measure -----------------------------------------------------------------------------
     def _points(self, grid: list[tuple[int, int]], eager: bool) -> tuple[list[dict], Source]:

@@ -5,7 +5,8 @@ precision, world size, device, grid, depths and what a checkpointed block keeps,
 the batches' text shape, gradient accumulation, the torch version, and on CPU the intra-op threads;
 callbacks/calibration.py); a cached
 record is reused only under an equal key, only when its fit was trusted (fit.py) and its
-verification left no bucket unresolved (result.py, `cacheable`), and is re-validated field by field
+verification left no bucket unresolved (result.py, `cacheable`; its points alone are written before
+verification starts, with no verification recorded, so a later run verifies in full), and is re-validated field by field
 on read: a stale or foreign cache never stops training, it is measured again.
 """
 from __future__ import annotations

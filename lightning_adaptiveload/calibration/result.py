@@ -50,7 +50,9 @@ class CalibrationResult:
     calibration_s, verify_s: wall seconds of the two parts; cold_s: the part of calibration_s spent in
     the grid points' first (cold) steps, a compiled model's compilation of each new shape (the
     measurements of every sweep run, a re-measurement's too; 0 when nothing was measured); compiled_regions, recompile_limit: the
-    compiled submodules found and dynamo's limit set for them (None: not compiled)."""
+    compiled submodules found and dynamo's limit set for them (None: not compiled); verifies_cache: the
+    points came from a cache written before verification by a run that did not finish it (no
+    verification recorded there), so this run's verification completes that cache."""
 
     source: Source
     points: list[dict]
@@ -65,6 +67,7 @@ class CalibrationResult:
     cold_s: float = 0.0
     compiled_regions: tuple[str, ...] = field(default_factory=tuple)
     recompile_limit: int | None = None
+    verifies_cache: bool = False
 
     @property
     def trusted(self) -> bool:
@@ -76,10 +79,12 @@ class CalibrationResult:
 
     @property
     def cacheable(self) -> bool:
-        """Whether the record may be cached for later runs: measured now, trusted, and (where it ran)
-        verified without a bucket left unresolved. A plan verification settled (a bucket pinned on its
+        """Whether the record may be cached for later runs: measured now (or completing a cache of
+        points that has no verification yet), trusted, and (where it ran) verified without a bucket
+        left unresolved. The points alone are cached before verification starts (calibration/loop.py),
+        without a plan: a later run reuses them and verifies in full. A plan verification settled (a bucket pinned on its
         safest batch measured to fit after the last re-plan) is cached with its verification: every
         pinned shape was measured to fit, so a later run checks each near the budget once (verify.RECHECK_MARGIN)
         instead of running every round again. A plan with an unresolved bucket is never reused."""
         verified = self.verification is None or not self.verification.unresolved
-        return self.source.measured and self.trusted and verified
+        return (self.source.measured or self.verifies_cache) and self.trusted and verified

@@ -79,11 +79,27 @@ class CostModelCalibration(Callback):
         cache_path = Path(config.cache_path or os.path.join(trainer.default_root_dir, "calibration_cache.json"))
         restored = self._restored or {}
         self._restored = None
+        policy = getattr(datamodule, "policy", None)
+
+        saved_measured = []
+
+        def save_measured(result: CalibrationResult) -> None:
+            """Rank 0 caches the calibration before verification (verification None in the file: a later
+            run reuses the points and verifies in full); the file is rewritten with it after, or removed
+            when verification leaves a bucket unresolved (such a calibration is never reused)."""
+            if trainer.is_global_zero:
+                try:
+                    write_json(cache_path, document(result, key, policy))
+                    saved_measured.append(cache_path)
+                except OSError as e:  # the final write reports for every rank; this one is an extra
+                    rank_zero_warn(f"CostModelCalibration: could not cache the measured points in {cache_path} "
+                                   f"before verification: {e}")
+
         with StepRunner(trainer, pl_module) as runner:
             loop = Calibration(config, runner, datamodule, switch=switch, optimizers=trainer.optimizers, key=key,
                                cache_path=cache_path, restored_points=restored.get("points"),
                                restored_verification=restored.get("verification"),
-                               restored_models=restored.get("models"), info=rank_zero_info,
+                               restored_models=restored.get("models"), save=save_measured, info=rank_zero_info,
                                warn=rank_zero_warn)
             self.result = result = loop.run(grid, compiled, recompile_limit)
 
@@ -92,9 +108,11 @@ class CostModelCalibration(Callback):
         write_error = None
         if trainer.is_global_zero:
             try:
-                doc = document(result, key, getattr(datamodule, "policy", None))
+                doc = document(result, key, policy)
                 if result.cacheable:
                     write_json(cache_path, doc)
+                elif saved_measured:
+                    cache_path.unlink(missing_ok=True)
                 save_outputs(log_dir, result, doc)
                 rank_zero_info("CostModelCalibration\n" + format_report(result, doc, max(s for _, s in grid)))
                 if callable(getattr(datamodule, "bucket_table", None)):

@@ -3,6 +3,8 @@ shapes once instead of running the rounds again (issue 28, item 6). End to end o
 PerBucketCheckpointing, CostModelCalibration and the AdaptiveLoadDataModule with a memory plan; the
 longest bucket is made to hold more memory than the budget whenever it keeps some blocks' activations
 (a patched measurement of verification's shapes), so one re-plan round is not enough and it settles."""
+import json
+
 import lightning as L
 import pytest
 import torch
@@ -93,3 +95,29 @@ def test_a_settled_plan_is_cached_and_a_later_run_checks_each_shape_near_the_bud
     pins = lambda v: {s: (lim.pinned, lim.failed) for s, lim in v.limits.items()}  # noqa: E731
     assert pins(again.verification) == pins(outcome.verification)
     assert len(second_calls) < len(first_calls)
+
+
+def test_a_run_stopped_in_verification_leaves_its_points_and_the_next_run_verifies_them(tmp_path, monkeypatch):
+    """The measured, trusted points are cached before verification starts: a run stopped there (a time
+    limit, a preemption) costs the next run its verification only, not the grid again."""
+    root = tmp_path / "data"
+    write_dataset(root, n=90)
+
+    def stopped(self, shape, warm=True):
+        raise RuntimeError("stopped in verification")  # stands for a time limit or a preemption
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_DataModulePlan, "measure", stopped)
+        with pytest.raises(RuntimeError, match="stopped in verification"):
+            _fit(root, tmp_path / "a", patch, [])
+    cached = json.loads((root / "calibration_cache.json").read_text())
+    measured = [p for p in cached["points"] if p["status"] == "ok"]
+    assert cached["source"] == "measured" and cached["trusted"] and cached["verification"] is None
+    assert len(measured) >= 3 and all(p["time_ms"] > 0 and p["cold_ms"] > 0 for p in measured)
+
+    calls = []
+    with pytest.warns(UserWarning, match="settled on their safest measured batch"):
+        second = _fit(root, tmp_path / "b", monkeypatch, calls)
+    assert second.source == "cache" and second.points == cached["points"]
+    assert calls and second.verification is not None and not second.verification.unresolved
+    assert json.loads((root / "calibration_cache.json").read_text())["verification"] is not None

@@ -15,8 +15,9 @@
 #   attention benchmarks/kernel/attention.py: each SDPA backend at the shipped shapes, the 75,600-token step under each (~3 min)
 #   shipped  benchmarks/e2e/shipped_config.py: the shipped config and its baseline as a user runs them
 #            (SHIPPED_RUNS, default baseline,compiled; SHIPPED_SAMPLES, default 100); each run's log,
-#            calibration.json and per-rank CSV kept; calibration caches kept in .shipped_cache/ (carry
-#            it to the next call: compiled and compiled95 share one)
+#            calibration.json and per-rank CSV kept; calibration caches and compile cache folders kept in
+#            .shipped_cache/, returned as $OUT/shipped/cache (put it back as .shipped_cache and carry it to the
+#            next call: a run stopped by its limit goes on from its cached points and graphs)
 #   encode   benchmarks/data/encode.py: the Wan 2.1 VAE and UMT5-XXL per clip (carry .whl-av: PyAV)
 #   crash    benchmarks/e2e/compile_crash.py: compile dynamic at 75,600 tokens, variant by variant (CRASH_ARGS)
 #   graphs   benchmarks/e2e/compile_graphs.py: the graphs a mixed-shape run compiles, Wan-1.3B-shaped blocks,

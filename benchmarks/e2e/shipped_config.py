@@ -28,7 +28,8 @@ later steps over the plan's price (none for a shape the epoch ran once). Against
 epoch's tokens/s, and the tokens/s on the samples
 both train (`common_sample_speedup`: per bucket S, min(samples trained by either) samples at each run's
 own measured tokens/s of that bucket; the run's time for them over the baseline's).
-`--cache-dir` keeps each run's calibration cache between calls (compiled and compiled95 share a key).
+`--cache-dir` keeps each run's calibration cache and compile cache folder between calls (compiled and
+compiled95 share a key).
 """
 from __future__ import annotations
 
@@ -124,8 +125,9 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
 def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> dict:
     """Run `name` (its YAML `config`, default run_config(name, args)) in a fresh process,
     `adaptiveload fit --config <workdir>/<name>/config.yaml`; its exit ("timeout" past
-    `args.run_timeout_s`), wall time and output. The calibration cache of an earlier call is copied
-    in from `args.cache_dir` first and back there after (a run stopped by the timeout keeps it too)."""
+    `args.run_timeout_s`), wall time and output. The calibration cache and the compile cache folder of
+    an earlier call are copied in from `args.cache_dir` first and back there after (a run stopped by
+    the timeout keeps what it wrote: the points cached before verification, torch's on-disk graphs)."""
     root = Path(args.workdir) / name
     root.mkdir(parents=True, exist_ok=True)
     cache = CACHES_OF.get(name, name)
@@ -134,8 +136,12 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
         shutil.copy(first / "calibration_cache.json", root / "calibration_cache.json")
         if (first / "compile_cache").is_dir():
             shutil.copytree(first / "compile_cache", root / "compile_cache", dirs_exist_ok=True)
-    elif args.cache_dir and (Path(args.cache_dir) / f"{cache}_calibration_cache.json").exists():
-        shutil.copy(Path(args.cache_dir) / f"{cache}_calibration_cache.json", root / "calibration_cache.json")
+    elif args.cache_dir:
+        kept = Path(args.cache_dir)
+        if (kept / f"{cache}_calibration_cache.json").exists():
+            shutil.copy(kept / f"{cache}_calibration_cache.json", root / "calibration_cache.json")
+        if (kept / f"{cache}_compile_cache").is_dir():
+            shutil.copytree(kept / f"{cache}_compile_cache", root / "compile_cache", dirs_exist_ok=True)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(run_config(name, args) if config is None else config, sort_keys=False))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -153,6 +159,8 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
     if args.cache_dir and (root / "calibration_cache.json").exists():
         Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{cache}_calibration_cache.json")
+    if args.cache_dir and (root / "compile_cache").is_dir():
+        shutil.copytree(root / "compile_cache", Path(args.cache_dir) / f"{cache}_compile_cache", dirs_exist_ok=True)
     print(f"[{name}] exit {rc} after {wall:.0f} s", flush=True)
     return {"exit": rc, "wall_s": wall, "out_of_memory": ran_out_of_memory(text), "log_tail": text[-3000:]}
 

@@ -2,6 +2,7 @@
 what verification did with it, and the plan's prices judged on later steps only (hand-computed reference)."""
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,3 +67,36 @@ def test_a_run_on_another_runs_caches_may_stop_early_and_first_runs_never_do(tmp
     for name, max_steps in steps.items():
         expected = again_max_steps if name in again and again_max_steps is not None else -1
         assert max_steps == expected, name
+
+
+def test_a_runs_caches_travel_through_the_cache_dir_to_its_next_call(tmp_path, monkeypatch):
+    """What a run (stopped by its timeout or not) leaves, its calibration cache and its compile cache
+    folder, goes to --cache-dir and comes back into the next call's run of the same config, and into
+    its `_again` run's folder."""
+    import argparse
+    import subprocess
+
+    def fit(command, cwd, env, stdout, stderr, timeout):  # writes what `adaptiveload fit` leaves, then times out
+        root = Path(command[-1]).parent
+        found = (root / "calibration_cache.json").read_text() if (root / "calibration_cache.json").exists() else None
+        seen.append((root.name, found, sorted(p.name for p in (root / "compile_cache").glob("*"))
+                     if (root / "compile_cache").is_dir() else None))
+        (root / "calibration_cache.json").write_text(json.dumps({"points": [len(seen)]}))
+        (root / "compile_cache" / "fxgraph").mkdir(parents=True, exist_ok=True)
+        (root / "compile_cache" / "fxgraph" / f"graph{len(seen)}").write_text("code")
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    seen = []
+    monkeypatch.setattr(shipped_config.subprocess, "run", fit)
+    cache_dir = tmp_path / "kept"
+    for call in ("one", "two"):
+        args = argparse.Namespace(workdir=str(tmp_path / call), cache_dir=str(cache_dir), max_steps=-1,
+                                  again_max_steps=None, log_every=5, time_budget_s=60.0, warmup=None, repeats=None,
+                                  samples=80, tiny=False, run_timeout_s=1.0)
+        assert shipped_config.launch("dynamic", args)["exit"] == "timeout"
+    assert seen[0] == ("dynamic", None, None)
+    assert seen[1] == ("dynamic", json.dumps({"points": [1]}), ["fxgraph"])
+    assert json.loads((cache_dir / "dynamic_calibration_cache.json").read_text()) == {"points": [2]}
+    assert sorted(p.name for p in (cache_dir / "dynamic_compile_cache" / "fxgraph").iterdir()) == ["graph1", "graph2"]
+    shipped_config.launch("dynamic_again", args)
+    assert seen[2][0] == "dynamic_again" and seen[2][1] == json.dumps({"points": [2]})

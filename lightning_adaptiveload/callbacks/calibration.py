@@ -81,16 +81,17 @@ class CostModelCalibration(Callback):
         self._restored = None
         policy = getattr(datamodule, "policy", None)
 
-        saved_measured = []
+        saved_measured = False
 
         def save_measured(result: CalibrationResult) -> None:
             """Rank 0 caches the calibration before verification (verification None in the file: a later
             run reuses the points and verifies in full); the file is rewritten with it after, or removed
             when verification leaves a bucket unresolved (such a calibration is never reused)."""
+            nonlocal saved_measured
             if trainer.is_global_zero:
                 try:
                     write_json(cache_path, document(result, key, policy))
-                    saved_measured.append(cache_path)
+                    saved_measured = True
                 except OSError as e:  # the final write reports for every rank; this one is an extra
                     rank_zero_warn(f"CostModelCalibration: could not cache the measured points in {cache_path} "
                                    f"before verification: {e}")

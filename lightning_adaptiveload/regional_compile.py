@@ -20,7 +20,11 @@ What a mixed-shape epoch then compiles (benchmarks/e2e/compile_graphs.py: the ex
 per-step checkpointing switch, 12 shapes of mixed B, T, H, W and blocks checkpointed, on the CPU):
 `dynamic` 4 graphs (6 without the copies), `auto` 5 (7). What remains, and why:
 - B = 1 against B >= 2: dynamo specializes a size of 1 (its 0/1 specialization), so a batch of one
-  sample and a batch of several are different graphs;
+  sample and a batch of several are different graphs. torch's `backed_size_oblivious` would merge them
+  (2 graphs instead of 4 under the aot_eager backend, same losses), but on torch 2.13 inductor's backward
+  then asserts a saved attention output's stride (`assert_size_stride`: sizes symbolic, strides of the
+  first shape), and set only around the compiled call it misses the backward AOTAutograd compiles lazily;
+  `mark_unbacked` on the batch dim made 7 graphs (2026-12-07, CPU);
 - a checkpointed block against a plain one (`checkpointing/switch.py`): torch.utils.checkpoint
   inside the compiled region is another program, kept so selective checkpointing can keep the
   attention outputs (a checkpoint around the compiled region would recompute them);

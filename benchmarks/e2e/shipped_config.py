@@ -122,6 +122,21 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     return config
 
 
+def _caches(folder: Path, prefix: str = "") -> tuple[Path, Path]:
+    """A run's calibration cache file and compile cache folder in `folder` (names prefixed in --cache-dir)."""
+    return folder / f"{prefix}calibration_cache.json", folder / f"{prefix}compile_cache"
+
+
+def _copy_caches(source: tuple[Path, Path], target: tuple[Path, Path]) -> None:
+    """Copy what of `source`'s caches exists over `target`'s (a compile cache folder merged into it)."""
+    (calibration, compiled), (to_calibration, to_compiled) = source, target
+    if calibration.exists():
+        to_calibration.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(calibration, to_calibration)
+    if compiled.is_dir():
+        shutil.copytree(compiled, to_compiled, dirs_exist_ok=True)
+
+
 def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> dict:
     """Run `name` (its YAML `config`, default run_config(name, args)) in a fresh process,
     `adaptiveload fit --config <workdir>/<name>/config.yaml`; its exit ("timeout" past
@@ -131,17 +146,13 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
     root = Path(args.workdir) / name
     root.mkdir(parents=True, exist_ok=True)
     cache = CACHES_OF.get(name, name)
-    first = Path(args.workdir) / cache  # the first run's own folder, when it ran in this call
-    if cache != name and (first / "calibration_cache.json").exists():
-        shutil.copy(first / "calibration_cache.json", root / "calibration_cache.json")
-        if (first / "compile_cache").is_dir():
-            shutil.copytree(first / "compile_cache", root / "compile_cache", dirs_exist_ok=True)
-    elif args.cache_dir:
-        kept = Path(args.cache_dir)
-        if (kept / f"{cache}_calibration_cache.json").exists():
-            shutil.copy(kept / f"{cache}_calibration_cache.json", root / "calibration_cache.json")
-        if (kept / f"{cache}_compile_cache").is_dir():
-            shutil.copytree(kept / f"{cache}_compile_cache", root / "compile_cache", dirs_exist_ok=True)
+    ours = _caches(root)
+    first = _caches(Path(args.workdir) / cache)  # the first run's own folder, when it ran in this call
+    kept = _caches(Path(args.cache_dir), f"{cache}_") if args.cache_dir else None
+    if cache != name and first[0].exists():
+        _copy_caches(first, ours)
+    elif kept is not None:
+        _copy_caches(kept, ours)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(run_config(name, args) if config is None else config, sort_keys=False))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -156,11 +167,8 @@ def launch(name: str, args: argparse.Namespace, config: dict | None = None) -> d
             rc = "timeout"
     wall = time.perf_counter() - start
     text = (root / "fit.log").read_text(encoding="utf-8", errors="replace")
-    if args.cache_dir and (root / "calibration_cache.json").exists():
-        Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
-        shutil.copy(root / "calibration_cache.json", Path(args.cache_dir) / f"{cache}_calibration_cache.json")
-    if args.cache_dir and (root / "compile_cache").is_dir():
-        shutil.copytree(root / "compile_cache", Path(args.cache_dir) / f"{cache}_compile_cache", dirs_exist_ok=True)
+    if kept is not None:
+        _copy_caches(ours, kept)
     print(f"[{name}] exit {rc} after {wall:.0f} s", flush=True)
     return {"exit": rc, "wall_s": wall, "out_of_memory": ran_out_of_memory(text), "log_tail": text[-3000:]}
 

@@ -80,7 +80,6 @@ class CostModelCalibration(Callback):
         restored = self._restored or {}
         self._restored = None
         policy = getattr(datamodule, "policy", None)
-
         saved_measured = False
 
         def save_measured(result: CalibrationResult) -> None:

@@ -123,7 +123,9 @@ for stage in "$@"; do
   esac
 done
 note "done, status $status"
-tar -czf /tmp/results.tar.gz --exclude=./build -C "$OUT" . 2>/dev/null  # the build returns apart (it may be over 16 MiB)
+# the build returns apart (it may be over 16 MiB); compile caches stay on the machine (100+ MiB: over what
+# returns, and over what a call can carry)
+tar -czf /tmp/results.tar.gz --exclude=./build --exclude="*compile_cache" -C "$OUT" . 2>/dev/null
 find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name build -exec rm -rf {} +
 mv /tmp/results.tar.gz "$OUT/results.tar.gz"
 exit $status

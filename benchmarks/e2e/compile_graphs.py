@@ -3,11 +3,16 @@
     python benchmarks/e2e/compile_graphs.py --out benchmarks/results/compile_graphs_cpu.json     # CPU, ~10 min
     python benchmarks/e2e/compile_graphs.py --device cuda --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 \\
         --out benchmarks/results/compile_graphs_h200.json                                          # one GPU
+    python benchmarks/e2e/compile_graphs.py --device cuda --backend aot_eager --modes dynamic --ways contiguous \
+        --shapes grid --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 --text-len 512 \
+        --out benchmarks/results/compile_graphs_grid_h200.json                                     # the shipped grid
 
 The example DiT (`--blocks` blocks) with the per-step checkpointing switch (selective, as shipped),
 forward + backward over SHAPES in order: (B, T, H, W, blocks checkpointed) of mixed batch sizes (1 and
 more), images and clips, every block, some and none checkpointed, as calibration and verification
-meet them. Per compile mode (`dynamic`, `auto`) and per way of compiling (`contiguous`:
+meet them; `--shapes grid`: the shipped config's calibration grid at its real latent sizes, in the order
+calibration runs it (on the GPU, where `dynamic` compiled more graphs than the CPU count below,
+benchmarks/results/gpu_session14). Per compile mode (`dynamic`, `auto`) and per way of compiling (`contiguous`:
 `regional_compile.compile_blocks`; `plain`: `nn.Module.compile` alone, what the examples did before),
 each in a fresh process with an empty inductor cache: per shape the graphs dynamo compiled, the
 seconds the step took and the guard failures that made it recompile (from dynamo's recompile log).
@@ -34,13 +39,22 @@ from benchmarks._meta import REPO, run_meta, write_result  # noqa: E402
 # (B, T, H, W, blocks checkpointed of 3; scaled to --blocks): B = 1 and B > 1, images and clips
 SHAPES = [(1, 1, 8, 8, 3), (1, 5, 8, 8, 3), (4, 1, 8, 8, 3), (2, 5, 8, 8, 1), (1, 9, 12, 12, 2), (1, 9, 12, 12, 0),
           (3, 1, 12, 12, 0), (7, 1, 8, 8, 0), (2, 5, 12, 12, 0), (1, 13, 12, 16, 1), (5, 1, 8, 12, 0), (2, 5, 8, 8, 1)]
+# the shipped config's calibration grid in the order calibration runs it (`--shapes grid`): B = 1 at each
+# sequence length with every, half and no block checkpointed, then the larger batches (S = T H W / 4 tokens)
+GRID = [(1, 1, 32, 32, 3), (1, 1, 32, 32, 1.5), (1, 1, 32, 32, 0), (1, 1, 90, 160, 3), (1, 1, 90, 160, 1.5),
+        (1, 1, 90, 160, 0), (1, 21, 32, 56, 3), (1, 21, 32, 56, 1.5), (1, 21, 32, 56, 0), (1, 9, 90, 160, 3),
+        (1, 21, 90, 160, 3), (2, 1, 32, 32, 3), (2, 1, 32, 32, 1.5), (2, 1, 32, 32, 0), (4, 1, 32, 32, 3),
+        (8, 1, 32, 32, 3), (16, 1, 32, 32, 3), (2, 1, 90, 160, 3), (32, 1, 32, 32, 3), (4, 1, 90, 160, 3),
+        (2, 21, 32, 56, 3), (7, 1, 64, 64, 1.5), (7, 1, 32, 32, 1.5)]
+SHAPE_SETS = {"mixed": SHAPES, "grid": GRID}
 WAYS = ("contiguous", "plain")
 _FAILURE = re.compile(r"- \d+/\d+: (.*)")
 
 
 def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inductor", blocks: int = 3, dim: int = 32,
-               heads: int = 2, ffn: int = 64, text_dim: int = 16, on_shape=None) -> list[dict]:
-    """SHAPES through a fresh seed-0 model compiled by `way` in `mode`: per shape a dict of the shape,
+               heads: int = 2, ffn: int = 64, text_dim: int = 16, text_len: int = 7, shapes: str = "mixed",
+               on_shape=None) -> list[dict]:
+    """SHAPE_SETS[`shapes`] (default SHAPES) through a fresh seed-0 model compiled by `way` in `mode`: per shape a dict of the shape,
     the graphs compiled, the step's seconds, its loss and the guard failures logged during it."""
     import torch
     import torch._dynamo
@@ -67,11 +81,11 @@ def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inducto
     torch._logging.set_logs(recompiles=True)
     rows = []
     try:
-        for b, t, h, w, k in SHAPES:
+        for b, t, h, w, k in SHAPE_SETS[shapes]:
             switch.set_checkpointed(round(k * blocks / 3))
             g = torch.Generator().manual_seed(b * 1000 + t * 100 + h + w)
             latents = torch.randn(b, 4, t, h, w, generator=g).to(device)
-            text = torch.randn(b, 7, text_dim, generator=g).to(device)
+            text = torch.randn(b, text_len, text_dim, generator=g).to(device)
             before, start = counters["stats"]["unique_graphs"], log.tell()
             begin = time.perf_counter()
             with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -105,15 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=64)
     parser.add_argument("--text-dim", type=int, default=16)
+    parser.add_argument("--text-len", type=int, default=7)
+    parser.add_argument("--shapes", default="mixed", choices=sorted(SHAPE_SETS),
+                        help="mixed: 12 small shapes of every kind; grid: the shipped calibration grid, in its order")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = dict(device=args.device, backend=args.backend, blocks=args.blocks, dim=args.dim, heads=args.heads,
-                 ffn=args.ffn, text_dim=args.text_dim)
+                 ffn=args.ffn, text_dim=args.text_dim, text_len=args.text_len, shapes=args.shapes)
     if args.child:
         run_shapes(*args.child, **sizes, on_shape=lambda row: print(json.dumps(row), flush=True))
         return 0
     doc = run_meta("compile_graphs", argv) | {"description": __doc__.strip().splitlines()[0], "sizes": sizes,
-                                              "shapes": SHAPES, "runs": {}}
+                                              "shapes": SHAPE_SETS[args.shapes], "runs": {}}
     for mode in args.modes:
         for way in args.ways:
             with tempfile.TemporaryDirectory() as cache:  # an empty inductor cache: every graph compiles

@@ -3,8 +3,8 @@
     python benchmarks/e2e/compile_graphs.py --out benchmarks/results/compile_graphs_cpu.json     # CPU, ~10 min
     python benchmarks/e2e/compile_graphs.py --device cuda --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 \\
         --out benchmarks/results/compile_graphs_h200.json                                          # one GPU
-    python benchmarks/e2e/compile_graphs.py --device cuda --backend aot_eager --modes dynamic --ways contiguous \
-        --shapes grid --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 --text-len 512 \
+    python benchmarks/e2e/compile_graphs.py --device cuda --backend aot_eager --modes dynamic --ways contiguous \\
+        --shapes grid --dim 1536 --heads 12 --ffn 8960 --text-dim 4096 --text-len 512 \\
         --out benchmarks/results/compile_graphs_grid_h200.json                                     # the shipped grid
 
 The example DiT (`--blocks` blocks) with the per-step checkpointing switch (selective, as shipped),

@@ -9,9 +9,17 @@ is cheap beside it. torch keeps the results in two places, both used here:
   /tmp/torchinductor_<user>, which a fresh machine or a /tmp clean-up loses). `CompileCache` points
   that variable at `<directory>/inductor` unless the user chose a directory of their own;
 - a portable bundle of every artifact this process compiled or read from those caches
-  (`torch.compiler.save_cache_artifacts`), written to `<directory>/compile_cache-<digest>.bin` and
-  hot-loaded into the on-disk caches of a later run (`torch.compiler.load_cache_artifacts`), so a run
-  whose on-disk cache is elsewhere or empty (another machine, a fresh device session) still hits.
+  (`torch.compiler.save_cache_artifacts`), merged with the bundle an earlier run wrote, written to
+  `<directory>/compile_cache-<digest>.bin` and hot-loaded into the on-disk caches of a later run, so a
+  run whose on-disk cache is elsewhere or empty (another machine, a fresh device session) still hits.
+
+torch's bundle is a sequence of chunks, one per artifact kind per `save_cache_artifacts` call, and
+`torch.compiler.load_cache_artifacts` reads the chunks into a dict: a later chunk of a kind replaces the
+earlier ones, so a bundle saved twice in a process (before training and after it, as the callback
+does) loads only the second save's additions (torch 2.11-2.14.1; on an H100, 27 of 187 artifacts,
+benchmarks/results/gpu_session14). `_read_artifacts` reads every chunk and `_write_artifacts` writes
+one chunk per kind, with torch's own (private) serializer functions; on a torch without them the public
+functions are used, with that loss, and a warning says so.
 
 The bundle's key (`cache_key`) is what makes another run's graphs the same as this run's beyond what
 torch checks itself: torch, CUDA and python versions, the device, the model (calibration's
@@ -29,6 +37,7 @@ of another key, corrupt or refused by torch is a logged warning and a cold compi
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -81,6 +90,48 @@ def read_cache_counts() -> dict[str, int]:
     # .get: counters is a defaultdict; reading must not create categories.
     return {name: int(counters.get(category, {}).get(counter, 0))
             for (category, counter), name in CACHE_COUNTERS.items()}
+
+
+@functools.cache
+def _torch_serializer():
+    """torch's (private) bundle serializer pieces: (AppendingByteSerializer, CacheArtifactManager,
+    _serialize_single_cache, _deserialize_single_cache), or None on a torch that lacks them."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache, _serialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:
+        return None
+    if not all(hasattr(c, name) for c, name in ((AppendingByteSerializer, "to_list"), (AppendingByteSerializer, "extend"),
+                                                 (CacheArtifactManager, "populate_caches"),
+                                                 (CacheArtifactManager, "_ensure_cache_artifacts_registered"))):
+        return None
+    return AppendingByteSerializer, CacheArtifactManager, _serialize_single_cache, _deserialize_single_cache
+
+
+def _read_artifacts(data: bytes) -> dict[str, list]:
+    """Every artifact of torch's bundle `data`, by kind, each key once (the first of a repeated one):
+    all of its chunks, where torch's loader keeps only the last chunk of each kind."""
+    serializer, manager, _, read_chunk = _torch_serializer()
+    manager._ensure_cache_artifacts_registered()
+    artifacts: dict[str, dict[str, object]] = {}
+    for kind, chunk in serializer.to_list(data, deserialize_fn=read_chunk):
+        by_key = artifacts.setdefault(kind, {})
+        for artifact in chunk:
+            by_key.setdefault(artifact.key, artifact)
+    return {kind: list(by_key.values()) for kind, by_key in artifacts.items()}
+
+
+def _write_artifacts(artifacts: dict[str, list]) -> bytes:
+    """torch's bundle format with one chunk per kind (what `_read_artifacts` and torch's loader both read
+    whole)."""
+    serializer, _, write_chunk, _ = _torch_serializer()
+    out = serializer(serialize_fn=write_chunk)
+    out.extend(artifacts.items())
+    return out.to_bytes()
+
+
+def _keys(artifacts: dict[str, list]) -> set[tuple[str, str]]:
+    return {(kind, artifact.key) for kind, chunk in artifacts.items() for artifact in chunk}
 
 
 class CompileCache:
@@ -151,41 +202,80 @@ class CompileCache:
         if hashlib.sha256(data).hexdigest() != record.get("sha256"):
             return self._refuse("its bytes do not match the sha256 recorded with it (corrupt or replaced)")
         try:
-            info = torch.compiler.load_cache_artifacts(data)
+            if _torch_serializer() is None:
+                self._warn_public_only()
+                info = torch.compiler.load_cache_artifacts(data)
+                if info is None:
+                    return self._refuse("torch could not load it (its log says why)")
+                loaded = info.artifacts
+            else:
+                artifacts = _read_artifacts(data)
+                _torch_serializer()[1].populate_caches(artifacts)
+                loaded = {kind: [a.key for a in chunk] for kind, chunk in artifacts.items()}
         except Exception as e:  # torch's own format and checks: any failure means a cold compile
             return self._refuse(f"torch could not load it: {type(e).__name__}: {e}")
-        if info is None:
-            return self._refuse("torch could not load it (its log says why)")
-        self._held |= {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
-        self._info(f"CompileCache: loaded {len(self._held)} compile artifacts ({_by_kind(info.artifacts)}) from "
+        self._held |= {(kind, key) for kind, keys in loaded.items() for key in keys}
+        self._info(f"CompileCache: loaded {len(self._held)} compile artifacts ({_by_kind(loaded)}) from "
                    f"{self.bundle_path}")
         return True
 
     def save(self) -> dict | None:
-        """Bundle every artifact this process compiled or read from torch's caches and write it with
-        its record (atomically: a reader sees the old bundle or the new one); returns the record, or
-        None when nothing was written: nothing compiled, or the bundle already holds it all. A
-        run's bundle replaces the last: it keeps what this run used, and the graphs only an earlier
-        run used stay in torch's on-disk caches."""
+        """Bundle every artifact this process compiled or read from torch's caches, merged with the
+        bundle already in the directory (a short run does not drop the graphs only a longer one met),
+        and write it with its record (atomically: a reader sees the old bundle or the new one); returns
+        the record, or None when nothing was written: nothing compiled, or the bundle already holds it
+        all."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             self._info(f"CompileCache: nothing compiled in this process: {self.bundle_path} left as it is")
             return None
         data, info = saved
-        artifacts = {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
-        if artifacts <= self._held:
+        whole = _torch_serializer() is not None
+        if whole:
+            ours = _read_artifacts(data)
+            new = _keys(ours) - self._held
+        else:
+            self._warn_public_only()
+            new = {(kind, key) for kind, keys in info.artifacts.items() for key in keys} - self._held
+        if not new:
             self._info(f"CompileCache: no new compile artifacts: {self.bundle_path} left as it is")
             return None
-        record = {"format": FORMAT, "version": VERSION, "key": self.key,
-                  "artifacts": {kind: len(keys) for kind, keys in info.artifacts.items()},
+        if whole:
+            merged = self._bundled()
+            for kind, chunk in ours.items():
+                have = {a.key for a in merged.setdefault(kind, [])}
+                merged[kind] += [a for a in chunk if a.key not in have]
+            data, keys = _write_artifacts(merged), _keys(merged)
+            counts = {kind: len(chunk) for kind, chunk in merged.items()}
+        else:  # torch's bytes as they are: this process's artifacts only
+            keys = {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
+            counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
+        record = {"format": FORMAT, "version": VERSION, "key": self.key, "artifacts": counts,
                   "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                   "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         write_bytes(self.bundle_path, data)
         write_json(self.record_path, record)
-        self._held = artifacts
-        self._info(f"CompileCache: saved {len(artifacts)} compile artifacts ({_by_kind(info.artifacts)}), "
-                   f"{len(data) / 1e6:.1f} MB, to {self.bundle_path}")
+        self._held = keys
+        by_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        self._info(f"CompileCache: saved {len(keys)} compile artifacts ({by_kind}), {len(data) / 1e6:.1f} MB, "
+                   f"to {self.bundle_path}")
         return record
+
+    def _bundled(self) -> dict[str, list]:
+        """The artifacts of the bundle now in the directory when it is this key's and its bytes match
+        its record (another process may have written it since `load`), else none."""
+        try:
+            record = json.loads(self.record_path.read_text(encoding="utf-8"))
+            data = self.bundle_path.read_bytes()
+            if record.get("key") == self.key and hashlib.sha256(data).hexdigest() == record.get("sha256"):
+                return _read_artifacts(data)
+        except Exception:  # no bundle yet, or one that load() refused: nothing to keep
+            pass
+        return {}
+
+    def _warn_public_only(self) -> None:
+        self._warn(f"CompileCache: torch {torch.__version__} lacks the bundle serializer this class reads every "
+                   "chunk with; torch's own loader keeps only the last save's artifacts of each kind")
 
     def _refuse(self, why: str) -> bool:
         self._warn(f"CompileCache: not loading the compile cache {self.bundle_path}: {why}; this run compiles "

@@ -1,5 +1,6 @@
-"""lightning_adaptiveload/compile_cache.py: a bundle saved by one process makes a fresh one (empty
-in-memory and on-disk caches) read every graph instead of compiling it, with the same results; a bad
+"""lightning_adaptiveload/compile_cache.py: a bundle saved by one process (once or, as the callback does,
+more than once) makes a fresh one (empty in-memory and on-disk caches) read every graph instead of
+compiling it, with the same results; a later run's save keeps what only an earlier run compiled; a bad
 bundle is a warning and a cold compile."""
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "compile_cache_script.py"
 
 
-def _run(directory: Path, out: Path, inductor_dir: Path | None) -> dict:
+def _run(directory: Path, out: Path, inductor_dir: Path | None, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != INDUCTOR_CACHE_VARIABLE}
     env["PYTHONPATH"] = str(ROOT)
     if inductor_dir is not None:
         env[INDUCTOR_CACHE_VARIABLE] = str(inductor_dir)
-    subprocess.run([sys.executable, str(SCRIPT), str(directory), str(out)], env=env, check=True, cwd=ROOT,
+    subprocess.run([sys.executable, str(SCRIPT), str(directory), str(out), *args], env=env, check=True, cwd=ROOT,
                    timeout=300)
     return json.loads(out.read_text())
 
@@ -38,9 +39,11 @@ def _assert_matches_reference(runs: list[dict]) -> None:
 
 
 @pytest.mark.slow  # two processes that each compile with inductor on CPU: 30-70 s
-def test_a_fresh_process_reads_every_graph_from_the_saved_bundle(tmp_path):
+def test_a_fresh_process_reads_every_graph_from_a_bundle_saved_twice(tmp_path):
     directory = tmp_path / "compile_cache"
-    first = _run(directory, tmp_path / "first.json", inductor_dir=None)
+    # Saved after each of the two shapes: torch's bundle then holds two chunks of each kind, and its own
+    # loader would read the second only (the second shape's graphs).
+    first = _run(directory, tmp_path / "first.json", None, "3,5", "--save-each")
     # The first run compiled (the control: the counters do see compiles) into torch's caches, which
     # CompileCache routed under its directory, and bundled every graph.
     assert first["loaded"] is False
@@ -54,13 +57,30 @@ def test_a_fresh_process_reads_every_graph_from_the_saved_bundle(tmp_path):
     _assert_matches_reference(first["runs"])
 
     # An empty on-disk cache elsewhere: only the bundle can supply the graphs.
-    second = _run(directory, tmp_path / "second.json", inductor_dir=tmp_path / "empty_inductor_cache")
+    second = _run(directory, tmp_path / "second.json", tmp_path / "empty_inductor_cache")
     assert second["loaded"] is True
     assert second["counts"]["fxgraph_misses"] == 0
     assert second["counts"]["fxgraph_hits"] == first["counts"]["fxgraph_misses"]
     assert second["counts"]["autograd_misses"] == 0 and second["counts"]["autograd_hits"] == first["counts"]["autograd_misses"]
     assert second["saved"] is None and bundle.stat().st_mtime_ns == written  # nothing new: not rewritten
     _assert_matches_reference(second["runs"])
+
+
+@pytest.mark.slow  # three processes that each compile with inductor on CPU: 45-100 s
+def test_a_later_save_keeps_the_graphs_only_an_earlier_run_compiled(tmp_path):
+    directory = tmp_path / "compile_cache"
+    only_3 = _run(directory, tmp_path / "a.json", tmp_path / "inductor_a", "3")
+    assert only_3["counts"]["fxgraph_misses"] > 0
+    # A run that meets another shape only (torch's default compiles it static: graphs of its own), on an
+    # empty on-disk cache: it reads nothing from the bundle and saves what it compiled.
+    only_5 = _run(directory, tmp_path / "b.json", tmp_path / "inductor_b", "5")
+    assert only_5["loaded"] is True and only_5["counts"]["fxgraph_misses"] > 0 and only_5["counts"]["fxgraph_hits"] == 0
+    assert only_5["saved"]["artifacts"]["inductor"] == only_3["counts"]["fxgraph_misses"] + only_5["counts"]["fxgraph_misses"]
+    # The first shape again, on another empty on-disk cache: its graphs came through the second save.
+    again = _run(directory, tmp_path / "c.json", tmp_path / "inductor_c", "3")
+    assert again["counts"]["fxgraph_misses"] == 0 and again["counts"]["fxgraph_hits"] == only_3["counts"]["fxgraph_misses"]
+    assert again["saved"] is None
+    _assert_matches_reference(only_3["runs"] + only_5["runs"] + again["runs"])
 
 
 def _key(mode="auto"):

@@ -216,6 +216,8 @@ def summarize_run(log_dir: Path) -> dict:
                                         cols["peak_reserved_bytes"][:, 0])
     return {
         "calibration_s": calibration["seconds"], "verify_s": calibration["verify_seconds"],
+        # the process's first step, inside one of the two (a compiled model's first graphs): absent in older files
+        "first_step_s": calibration.get("first_step_seconds"),
         "time_to_first_step_s": startup,
         "setup_and_first_batch_s": None if startup is None else startup - calibration["seconds"] - calibration["verify_seconds"],
         "calibration_source": calibration["source"], "trusted": calibration["trusted"],

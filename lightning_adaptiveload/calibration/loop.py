@@ -154,7 +154,8 @@ class Calibration:
         self.memory = self._apply(cost_model, reasons, m_mem, memory)
         result = CalibrationResult(source=source, points=points, cost_model=cost_model, distrust_reasons=tuple(reasons),
                                    m_mem=m_mem, memory=self.memory, calibration_s=time.perf_counter() - start,
-                                   cold_s=self.cold_s, compiled_regions=tuple(compiled), recompile_limit=recompile_limit)
+                                   cold_s=self.cold_s, first_step_s=self._first_step_s(), compiled_regions=tuple(compiled),
+                                   recompile_limit=recompile_limit)
         if not config.verify:
             return result
         if self.save is not None and result.cacheable:
@@ -168,7 +169,12 @@ class Calibration:
                 if source in (Source.MEASURED, Source.MEASURED_AGAIN) else set()
         outcome, state = self._verify(points, None if reasons else cost_model, built)
         return replace(result, verification=outcome, optimizer_state=state, verify_s=time.perf_counter() - verify_start,
-                       verifies_cache=source is Source.CACHE and self.cached_verification is None)
+                       verifies_cache=source is Source.CACHE and self.cached_verification is None,
+                       first_step_s=self._first_step_s())
+
+    def _first_step_s(self) -> float | None:
+        first = self.runner.first_step_ms
+        return None if first is None else first / 1e3
 
     # ---- 1. measure -----------------------------------------------------------------------------
     def _points(self, grid: list[tuple[int, int]], eager: bool) -> tuple[list[dict], Source]:

@@ -13,6 +13,7 @@ class Runner(Protocol):
 
     device: Any
     is_global_zero: bool
+    first_step_ms: float | None  # the process's first step, which no measurement counts (None before it)
 
     def measure(self, batch_fn, warmup: int, repeats: int, settle: bool = False, empty_cache: bool = False) -> dict:
         ...

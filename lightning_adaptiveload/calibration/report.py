@@ -33,6 +33,9 @@ def document(result: CalibrationResult, key: dict, policy: str | None) -> dict:
         "seconds": round(result.calibration_s, 3),
         # of "seconds": the grid points' first steps (a compiled model's compilation of each new shape)
         "cold_seconds": round(result.cold_s, 3),
+        # the process's first step, uncounted by any measurement (in "seconds", or in "verify_seconds"
+        # when the points came from a cache): one-time allocations, a compiled model's first graphs
+        "first_step_seconds": None if result.first_step_s is None else round(result.first_step_s, 3),
         "source": result.source.value,
         "trusted": result.trusted,
         "distrust_reasons": list(result.distrust_reasons),
@@ -183,6 +186,8 @@ def format_verification(result: CalibrationResult) -> str:
     excess = [m.cold_ms - m.warm_ms for m in shapes if m.measured_fit and not m.timed_cold]
     if excess:
         line += f"; first step over the warm one: mean {np.mean(excess):.1f} ms, max {np.max(excess):.1f} ms"
+    if result.first_step_s is not None:
+        line += f"; the process's first (uncounted) step {result.first_step_s:.1f} s"
     one_step = sum(m.timed_cold for m in shapes)
     if one_step:
         line += (f"; {one_step} shape(s) run one step only (over the budget, or a long step whose first step "

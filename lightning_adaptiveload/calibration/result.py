@@ -49,7 +49,10 @@ class CalibrationResult:
     outcome (None when it did not run) and optimizer_state what its optimizer step measured;
     calibration_s, verify_s: wall seconds of the two parts; cold_s: the part of calibration_s spent in
     the grid points' first (cold) steps, a compiled model's compilation of each new shape (the
-    measurements of every sweep run, a re-measurement's too; 0 when nothing was measured); compiled_regions, recompile_limit: the
+    measurements of every sweep run, a re-measurement's too; 0 when nothing was measured);
+    first_step_s: the process's first step, before any measured one and counted by none (in calibration,
+    or in verification when the points came from a cache): one-time allocations, and a compiled model's
+    first graphs traced and compiled or read from the compile cache (None: no step ran); compiled_regions, recompile_limit: the
     compiled submodules found and dynamo's limit set for them (None: not compiled); verifies_cache: the
     points came from a cache written before verification by a run that did not finish it (no
     verification recorded there), so this run's verification completes that cache."""
@@ -65,6 +68,7 @@ class CalibrationResult:
     calibration_s: float = 0.0
     verify_s: float = 0.0
     cold_s: float = 0.0
+    first_step_s: float | None = None
     compiled_regions: tuple[str, ...] = field(default_factory=tuple)
     recompile_limit: int | None = None
     verifies_cache: bool = False

@@ -80,6 +80,9 @@ class StepRunner:
         # batch_idx is optional in training_step; pass it only if declared, as Lightning's loop does
         self._with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
         self._stepped = False  # whether a step ran: measure() leaves the first one uncounted
+        # ms of that uncounted first step, max over ranks (None before it): one-time allocations, and a
+        # compiled model's first graphs (traced, then compiled or read from the compile cache)
+        self.first_step_ms: float | None = None
 
     def __enter__(self) -> "StepRunner":
         module = self.pl_module
@@ -250,7 +253,7 @@ class StepRunner:
                 failed = True
             self._agreed_oom(failed)
             if not self._stepped:
-                self.step(batch)
+                self.first_step_ms = self.max_over_ranks(self.step(batch))[0]
             if settle:
                 self.settle(batch)
             if cuda:

@@ -3,6 +3,7 @@ left on parameters/optimizer/RNG, cache reuse, and an injected out-of-memory poi
 import json
 import math
 import random
+import time
 
 import lightning as L
 import numpy as np
@@ -705,6 +706,46 @@ def test_cached_calibration_still_verifies_and_a_resume_says_from_checkpoint(tmp
     assert resumed.result.source == "checkpoint" and "(from checkpoint)" in caplog.text and "(from cache)" not in caplog.text
     doc = json.loads(next((tmp_path / "d").rglob("calibration.json")).read_text())
     assert doc["source"] == "checkpoint" and len(doc["verification"]["shapes"]) == 4
+
+
+class SlowFirstStepModule(VideoDiTModule):
+    """Its process's first training step spins FIRST_STEP_CPU_S of CPU time (the clock calibration reads on
+    CPU), as a compiled model's first step traces and compiles."""
+
+    FIRST_STEP_CPU_S = 0.4
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stepped = False
+
+    def training_step(self, batch, batch_idx):
+        if not self.stepped:
+            self.stepped = True
+            start = time.process_time()
+            while time.process_time() - start < self.FIRST_STEP_CPU_S:
+                pass
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_processs_first_step_is_counted_by_no_measurement_and_reported_apart(tmp_path, caplog):
+    kwargs = dict(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=0, repeats=1, cache_path=str(tmp_path / "c.json"),
+                  **TRUST_ANY)
+    slow = SlowFirstStepModule.FIRST_STEP_CPU_S
+    first = CostModelCalibration(**kwargs)
+    _fit_dm(tmp_path / "a", SlowFirstStepModule(**TINY), [first], ShapesDataModule())
+    doc = json.loads(next((tmp_path / "a").rglob("calibration.json")).read_text())
+    # measured runs: in calibration, before the first grid point, which does not pay for it
+    assert slow <= doc["first_step_seconds"] <= doc["seconds"]
+    assert max(p["time_ms"] for p in doc["points"] if p["status"] == "ok") < 1e3 * slow
+    assert max(p.get("cold_ms", 0.0) for p in doc["points"]) < 1e3 * slow
+    # a cached run measures no grid point: its first step falls in verification, and no shape pays it
+    cached = CostModelCalibration(**kwargs)
+    with caplog.at_level("INFO"):
+        _fit_dm(tmp_path / "b", SlowFirstStepModule(**TINY), [cached], ShapesDataModule())
+    doc = json.loads(next((tmp_path / "b").rglob("calibration.json")).read_text())
+    assert doc["source"] == "cache" and slow <= doc["first_step_seconds"] <= doc["verify_seconds"]
+    assert all(m["cold_ms"] < 1e3 * slow for m in doc["verification"]["shapes"])
+    assert f"the process's first (uncounted) step {doc['first_step_seconds']:.1f} s" in caplog.text
 
 
 def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):

@@ -274,7 +274,7 @@ class Calibration:
         memory = replace(memory, used=True)
         datamodule.set_cost_model(cost_model, None)
         datamodule.set_memory_plan(memory.depth_cost_model, memory.memory_model, memory.device_memory_bytes,
-                                   self.config.max_memory_fraction)
+                                   self.config.max_memory_fraction, plan_margin=self.config.plan_margin)
         budget = self.config.max_memory_fraction * memory.device_memory_bytes
         if memory.optimizer_memory.step_bytes > budget:
             self.warn(f"CostModelCalibration: the optimizer step alone (parameters, gradients, optimizer state and a "
@@ -423,7 +423,8 @@ class _DataModulePlan:
         # the measured optimizer state replaces the predicted one in the models' m0
         self.calibration.memory = replace(memory, memory_model=memory_model, depth_cost_model=depth_model)
         self.datamodule.set_memory_plan(depth_model, memory_model, memory.device_memory_bytes,
-                                        self.calibration.config.max_memory_fraction)
+                                        self.calibration.config.max_memory_fraction,
+                                        plan_margin=self.calibration.config.plan_margin)
         self._schedule = None
 
     def apply(self, verification: Verification) -> None:

@@ -64,7 +64,7 @@ class MemoryPlanned(Protocol):
     """Takes a memory plan: per-bucket (B, k) from the fitted memory and time models."""
 
     def set_memory_plan(self, cost_model, memory_model, device_memory_bytes: float,
-                        max_memory_fraction: float = 0.85) -> None:
+                        max_memory_fraction: float = 0.85, plan_margin: float = 0.0) -> None:
         ...
 
 

@@ -29,7 +29,7 @@ from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointin
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
 from lightning_adaptiveload.compile_cache import device_name
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
-from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY
+from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, PLAN_MARGIN
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
 from lightning_adaptiveload.scheduling.model_io import write_json
 from lightning_adaptiveload.scheduling.verification import Verification
@@ -46,7 +46,8 @@ class CostModelCalibration(Callback):
 
     def __init__(self, num_seq_lens: int = 4, batch_sizes: list[int] | None = None, max_tokens: int | None = None,
                  warmup: int = 1, repeats: int = 3, time_budget_s: float = 180.0, m_mem: int | None = None,
-                 memory_margin: float = 0.9, max_memory_fraction: float = 0.85, form: str = "auto",
+                 memory_margin: float = 0.9, max_memory_fraction: float = 0.85, plan_margin: float = PLAN_MARGIN,
+                 form: str = "auto",
                  max_heldout_error: float = DEFAULT_MAX_HELDOUT_ERROR,
                  max_memory_heldout_error: float = DEFAULT_MAX_MEMORY_HELDOUT_ERROR,
                  min_work_correlation: float = DEFAULT_MIN_WORK_CORRELATION, verify: bool = True,
@@ -55,7 +56,7 @@ class CostModelCalibration(Callback):
             self.config = CalibrationConfig(
                 num_seq_lens=num_seq_lens, batch_sizes=tuple(batch_sizes) if batch_sizes else DEFAULT_BATCH_SIZES,
                 max_tokens=max_tokens, warmup=warmup, repeats=repeats, time_budget_s=time_budget_s, m_mem=m_mem,
-                memory_margin=memory_margin, max_memory_fraction=max_memory_fraction, form=form,
+                memory_margin=memory_margin, max_memory_fraction=max_memory_fraction, plan_margin=plan_margin, form=form,
                 max_heldout_error=max_heldout_error, max_memory_heldout_error=max_memory_heldout_error,
                 min_work_correlation=min_work_correlation, verify=verify, verify_rounds=verify_rounds,
                 cache_path=cache_path, cost_model_path=cost_model_path)

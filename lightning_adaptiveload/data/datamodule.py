@@ -238,17 +238,18 @@ class AdaptiveLoadDataModule(L.LightningDataModule):
                         "<= m_mem to drop or resize them.", self.m_mem, max(self._key_shape), self.max_seq_len)
 
     def set_memory_plan(self, cost_model: DepthCostModel, memory_model: MemoryModel, device_memory_bytes: float,
-                        max_memory_fraction: float = 0.85) -> None:
+                        max_memory_fraction: float = 0.85, plan_margin: float = 0.0) -> None:
         """Plan with measured memory from now on (docs/memory.md): `cost_model` (t(B, S, k) ms; its
         base, the time at k = L, becomes `self.cost_model`) and `memory_model` (peak bytes), the
-        device's memory (bytes, one rank) and the share of it a step may be predicted to use. Policy
+        device's memory (bytes, one rank) and the share of it a step may be predicted to use, of which a
+        bucket's first plan leaves `plan_margin` unused (scheduling/depth_choice.PLAN_MARGIN). Policy
         balanced then takes each bucket's (B, k) from `choose_batch_and_depth` with m_mem as the token
         cap; every batch carries its bucket's k as "ac_blocks"; samples that fit the device nowhere are
         left out, counted. Call before the train loader is built (CostModelCalibration does)."""
         if not isinstance(cost_model, DepthCostModel):
             raise ValueError(f"set_memory_plan needs a DepthCostModel (step time with a checkpointing depth), got "
                              f"{type(cost_model).__name__}")
-        plan = MemoryPlan(memory_model, cost_model, device_memory_bytes, max_memory_fraction)
+        plan = MemoryPlan(memory_model, cost_model, device_memory_bytes, max_memory_fraction, plan_margin)
         self.cost_model, self.memory_plan = cost_model.base, plan
         if self.mix is not None:
             longest = plan.max_seq_len

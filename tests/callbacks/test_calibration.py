@@ -21,6 +21,7 @@ from lightning_adaptiveload.calibration.record import model_fingerprint
 from lightning_adaptiveload.calibration.runner import StepRunner
 from lightning_adaptiveload.callbacks.calibration import CostModelCalibration
 from lightning_adaptiveload.scheduling.cost_model import CostModel
+from lightning_adaptiveload.scheduling.depth_choice import PLAN_MARGIN
 from lightning_adaptiveload.scheduling.verification import MeasuredShape
 
 TINY = dict(in_channels=4, dim=32, num_layers=1, num_heads=2, ffn_dim=64, text_dim=16, freq_dim=16)
@@ -879,9 +880,9 @@ class DepthProbeModule(VideoDiTModule):
 class PlanningDataModule(GridDataModule):
     """GridDataModule that takes a memory plan."""
 
-    def set_memory_plan(self, cost_model, memory_model, device_memory_bytes, max_memory_fraction=0.85):
+    def set_memory_plan(self, cost_model, memory_model, device_memory_bytes, max_memory_fraction=0.85, plan_margin=0.0):
         self.memory_plan_calls = getattr(self, "memory_plan_calls", [])
-        self.memory_plan_calls.append((cost_model, memory_model, device_memory_bytes, max_memory_fraction))
+        self.memory_plan_calls.append((cost_model, memory_model, device_memory_bytes, max_memory_fraction, plan_margin))
 
 
 def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_are_fitted(tmp_path, monkeypatch):
@@ -933,9 +934,9 @@ def test_with_per_bucket_checkpointing_points_run_at_two_depths_and_both_models_
     # handed to the DataModule with the device memory and the budget fraction; m_mem left to it
     [(cm, m_mem)] = dm.cost_model_calls
     assert cm is calib.result.cost_model and m_mem is None
-    [(depth, memory, device, fraction)] = dm.memory_plan_calls
+    [(depth, memory, device, fraction, margin)] = dm.memory_plan_calls
     assert depth is calib.result.memory.depth_cost_model and memory is calib.result.memory.memory_model
-    assert device == 2**33 and fraction == 0.85 and calib.result.memory_plan_used
+    assert device == 2**33 and fraction == 0.85 and margin == PLAN_MARGIN == 0.01 and calib.result.memory_plan_used
     log_dir = tmp_path / "logs" / "lightning_logs" / "version_0"
     doc = json.loads((log_dir / "calibration.json").read_text())
     assert doc["points"] == calib.result.points and doc["measurements"] == full and doc["depths"] == [2, 1]
@@ -1122,3 +1123,10 @@ def test_a_distrusted_memory_model_is_judged_by_its_own_threshold(tmp_path, monk
         _fit_dm(tmp_path, DepthProbeModule(**TWO_BLOCKS), [PerBucketCheckpointing(block_classes=[DiTBlock]), calib],
                 dm)
     assert calib.result.trusted and not calib.result.memory_plan_used and not hasattr(dm, "memory_plan_calls")
+
+
+@pytest.mark.parametrize("bad", [-0.01, 1.0, 1.5, float("nan"), "0.01", True])
+def test_a_plan_margin_outside_zero_to_one_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="CostModelCalibration: plan_margin"):
+        CostModelCalibration(plan_margin=bad)
+    assert CostModelCalibration(plan_margin=0.0).config.plan_margin == 0.0

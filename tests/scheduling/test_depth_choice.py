@@ -168,3 +168,52 @@ def test_a_failure_rules_out_only_its_quadrant():
     choice = choose_batch_and_depth([s], memory, cost, device_memory_bytes=device, max_memory_fraction=0.9,
                                     max_tokens=65536, limits={s: proven})
     assert choice.fits[0] and choice.batch_size[0] <= 3 and choice.checkpointed[0] >= 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_margin_plans_unverified_buckets_within_the_smaller_budget(seed):
+    """Every bucket not yet verified gets brute force's choice at (1 - margin) of the budget, unless
+    B = 1 at k = L fits only the whole budget: then brute force's at the whole budget (no sample is
+    dropped for the margin); a verified (limited) bucket is planned as without a margin."""
+    from lightning_adaptiveload.scheduling.verification import BucketLimit
+    rng = np.random.default_rng(100 + seed)
+    L = int(rng.integers(2, 13))
+    memory, cost = random_models(rng, L)
+    seq_lens = np.unique(rng.integers(64, 60000, 12))
+    device = float(rng.uniform(0.5, 3.0) * memory.predict(4, 8000, L // 2))
+    budget, margin = 0.9 * device, 0.05
+    # a bucket whose B = 1, k = L fits the whole budget but not the smaller one
+    edge = int(memory.max_seq_len(budget, 1, L))
+    if memory.predict(1, edge, L) > (1 - margin) * budget:
+        seq_lens = np.unique(np.append(seq_lens, edge))
+    verified = int(seq_lens[0])
+    limits = {verified: BucketLimit(memory_scale=1.0)}
+    choice = choose_batch_and_depth(seq_lens, memory, cost, device_memory_bytes=device, max_memory_fraction=0.9,
+                                    max_tokens=40000, max_batch_size=48, limits=limits, plan_margin=margin)
+    plain = choose_batch_and_depth(seq_lens, memory, cost, device_memory_bytes=device, max_memory_fraction=0.9,
+                                   max_tokens=40000, max_batch_size=48, limits=limits)
+    assert choice.budget_bytes == pytest.approx(budget)
+    smaller_seen = whole_seen = False
+    for i, s in enumerate(seq_lens):
+        if int(s) == verified:
+            assert (choice.batch_size[i], choice.checkpointed[i]) == (plain.batch_size[i], plain.checkpointed[i])
+            continue
+        within = memory.predict(1, s, L) <= (1 - margin) * budget
+        ref = brute_force(int(s), memory, cost, (1 - margin) * budget if within else budget, 40000, 48)
+        if ref is None:
+            assert not choice.fits[i]
+            continue
+        smaller_seen |= bool(within)
+        whole_seen |= not within
+        assert (choice.batch_size[i], choice.checkpointed[i]) == (ref[1], ref[2])
+    assert smaller_seen and whole_seen
+    assert choice.fits.tolist() == plain.fits.tolist()  # the margin drops no bucket
+    assert (choice.tokens_per_s[choice.fits] <= plain.tokens_per_s[choice.fits] * (1 + 1e-12)).all()
+
+
+def test_a_plan_margin_outside_zero_to_one_is_refused():
+    memory = MemoryModel("linear", {"m0": 1e9, "c": 1e6, "a": 1e4, "c_k": 1e5, "b": 1e3}, num_blocks=4)
+    cost = DepthCostModel(CostModel("power", {"a": 5.0, "b": 1e-3, "p": 1.2}, p=1.2, quality={}), 4, 0.2)
+    for bad in (-0.01, 1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="plan_margin"):
+            choose_batch_and_depth([100], memory, cost, device_memory_bytes=4e9, max_tokens=4096, plan_margin=bad)

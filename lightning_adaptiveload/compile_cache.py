@@ -210,7 +210,8 @@ class CompileCache:
                 loaded = info.artifacts
             else:
                 artifacts = _read_artifacts(data)
-                _torch_serializer()[1].populate_caches(artifacts)
+                _, manager, _, _ = _torch_serializer()
+                manager.populate_caches(artifacts)
                 loaded = {kind: [a.key for a in chunk] for kind, chunk in artifacts.items()}
         except Exception as e:  # torch's own format and checks: any failure means a cold compile
             return self._refuse(f"torch could not load it: {type(e).__name__}: {e}")

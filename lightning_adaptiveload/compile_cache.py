@@ -216,7 +216,8 @@ class CompileCache:
         except Exception as e:  # torch's own format and checks: any failure means a cold compile
             return self._refuse(f"torch could not load it: {type(e).__name__}: {e}")
         self._held |= {(kind, key) for kind, keys in loaded.items() for key in keys}
-        self._info(f"CompileCache: loaded {len(self._held)} compile artifacts ({_by_kind(loaded)}) from "
+        self._info(f"CompileCache: loaded {len(self._held)} compile artifacts "
+                   f"({_by_kind({kind: len(keys) for kind, keys in loaded.items()})}) from "
                    f"{self.bundle_path}")
         return True
 
@@ -234,11 +235,12 @@ class CompileCache:
         whole = _torch_serializer() is not None
         if whole:
             ours = _read_artifacts(data)
-            new = _keys(ours) - self._held
-        else:
+            keys = _keys(ours)
+        else:  # torch's bytes as they are: this process's artifacts only
             self._warn_public_only()
-            new = {(kind, key) for kind, keys in info.artifacts.items() for key in keys} - self._held
-        if not new:
+            keys = {(kind, key) for kind, names in info.artifacts.items() for key in names}
+            counts = {kind: len(names) for kind, names in info.artifacts.items()}
+        if keys <= self._held:
             self._info(f"CompileCache: no new compile artifacts: {self.bundle_path} left as it is")
             return None
         if whole:
@@ -248,17 +250,13 @@ class CompileCache:
                 merged[kind] += [a for a in chunk if a.key not in have]
             data, keys = _write_artifacts(merged), _keys(merged)
             counts = {kind: len(chunk) for kind, chunk in merged.items()}
-        else:  # torch's bytes as they are: this process's artifacts only
-            keys = {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
-            counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
         record = {"format": FORMAT, "version": VERSION, "key": self.key, "artifacts": counts,
                   "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                   "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         write_bytes(self.bundle_path, data)
         write_json(self.record_path, record)
         self._held = keys
-        by_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-        self._info(f"CompileCache: saved {len(keys)} compile artifacts ({by_kind}), {len(data) / 1e6:.1f} MB, "
+        self._info(f"CompileCache: saved {len(keys)} compile artifacts ({_by_kind(counts)}), {len(data) / 1e6:.1f} MB, "
                    f"to {self.bundle_path}")
         return record
 
@@ -284,5 +282,5 @@ class CompileCache:
         return False
 
 
-def _by_kind(artifacts: dict[str, list[str]]) -> str:
-    return ", ".join(f"{len(keys)} {kind}" for kind, keys in sorted(artifacts.items()))
+def _by_kind(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from lightning_adaptiveload._validation import require_choice, require_int, require_number
 from lightning_adaptiveload.scheduling.cost_model import FORMS
-from lightning_adaptiveload.scheduling.depth_choice import PLAN_MARGIN
+from lightning_adaptiveload.scheduling.depth_choice import PLAN_MARGIN, check_plan_margin
 
 DEFAULT_BATCH_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
 DEFAULT_MAX_HELDOUT_ERROR = 0.15  # 15%: the shipped H200 curve fits to 5% held out (docs/cost_model.md)
@@ -113,9 +113,7 @@ class CalibrationConfig:
             value = require_number(name, getattr(self, name), positive=True)
             if value > 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        value = require_number("plan_margin", self.plan_margin, minimum=0.0)
-        if value >= 1:
-            raise ValueError(f"plan_margin must be in [0, 1), got {value!r}")
+        check_plan_margin(self.plan_margin)
         require_choice("form", self.form, ("auto", *FORMS))
         for name in ("max_heldout_error", "max_memory_heldout_error"):  # inf: the check is off
             value = getattr(self, name)

@@ -113,7 +113,7 @@ def choose_batch_and_depth(seq_lens, memory_model: MemoryModel, cost_model, *, d
     bucket_limits = [(limits or {}).get(int(s)) or UNLIMITED for s in seq_lens]
     n, num_blocks = len(seq_lens), memory_model.num_blocks
     static = np.asarray(memory_model.predict(np.zeros(n), seq_lens), dtype=np.float64)  # m0: no batch's memory
-    _check_plan_margin(plan_margin)
+    check_plan_margin(plan_margin)
     model_budget = np.array([limit.model_budget(budget, m0) for limit, m0 in zip(bucket_limits, static)])
     if plan_margin:
         unverified = np.array([limit is UNLIMITED for limit in bucket_limits])
@@ -179,7 +179,8 @@ def _budget(memory_model: MemoryModel, cost_model, device_memory_bytes: float, m
     return float(device_memory_bytes) * float(max_memory_fraction)
 
 
-def _check_plan_margin(plan_margin: float) -> None:
+def check_plan_margin(plan_margin: float) -> None:
+    """ValueError naming plan_margin unless it is a number in [0, 1) (NaN and bools are not)."""
     if not (isinstance(plan_margin, (int, float)) and not isinstance(plan_margin, bool) and 0 <= plan_margin < 1):
         raise ValueError(f"plan_margin must be a number in [0, 1), got {plan_margin!r}")
 
@@ -205,7 +206,7 @@ class MemoryPlan:
         if not isinstance(self.memory_model, MemoryModel):
             raise ValueError(f"memory_model must be a MemoryModel, got {type(self.memory_model).__name__}")
         _budget(self.memory_model, self.cost_model, self.device_memory_bytes, self.max_memory_fraction)
-        _check_plan_margin(self.plan_margin)
+        check_plan_margin(self.plan_margin)
 
     @property
     def budget_bytes(self) -> float:

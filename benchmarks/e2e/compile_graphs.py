@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-len", type=int, default=7)
     parser.add_argument("--shapes", default="mixed", choices=sorted(SHAPE_SETS),
                         help="mixed: 12 small shapes of every kind; grid: the shipped calibration grid, in its order")
+    parser.add_argument("--child-timeout-s", type=float, default=None,
+                        help="stop each mode/way's process after this long and keep the shapes it finished")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = dict(device=args.device, backend=args.backend, blocks=args.blocks, dim=args.dim, heads=args.heads,
@@ -136,15 +138,23 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as cache:  # an empty inductor cache: every graph compiles
                 command = [sys.executable, __file__, "--out", str(args.out), "--child", mode, way,
                            *[f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]]
-                proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                      env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache})
-            rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-            doc["runs"][f"{mode}/{way}"] = {"exit": proc.returncode, "graphs": sum(r["new_graphs"] for r in rows),
+                try:
+                    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                          env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}, timeout=args.child_timeout_s)
+                    code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+                except subprocess.TimeoutExpired as stopped:  # keep the shapes it finished (captured output is bytes)
+                    code = "timeout"
+                    stdout, stderr = ((b or b"").decode(errors="replace") for b in (stopped.stdout, stopped.stderr))
+            rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            doc["runs"][f"{mode}/{way}"] = {"exit": code, "graphs": sum(r["new_graphs"] for r in rows),
                                             "compile_steps_s": round(sum(r["seconds"] for r in rows if r["new_graphs"]), 1),
-                                            "shapes": rows, "stderr_tail": proc.stderr[-2000:] if proc.returncode else ""}
+                                            "shapes": rows, "stderr_tail": stderr[-2000:] if code else ""}
             run = doc["runs"][f"{mode}/{way}"]
-            print(f"{mode:8} {way:11} exit {proc.returncode}  graphs {run['graphs']}  "
-                  f"steps that compiled: {run['compile_steps_s']} s", flush=True)
+            print(f"{mode:8} {way:11} exit {code}  shapes {len(rows)}/{len(SHAPE_SETS[args.shapes])}  "
+                  f"graphs {run['graphs']}  steps that compiled: {run['compile_steps_s']} s", flush=True)
+            for row in rows:
+                print(f"  B={row['batch_size']:<3} latent {row['latent']} k={row['checkpointed']}: {row['new_graphs']} graphs "
+                      f"{row['seconds']:8.2f} s  {'; '.join(row['guard_failures'])[:300]}", flush=True)
             write_result(args.out, doc)
     return 0
 

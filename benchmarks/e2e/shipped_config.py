@@ -105,6 +105,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict:
     model = config["model"]["init_args"]
     if "compile" in changes:
         model["compile"] = changes["compile"]
+    if args.layers is not None:  # a diagnostic run (e.g. of what compiles, TORCH_LOGS=recompiles), not a result
+        model["num_layers"] = args.layers
     data = config["data"]["init_args"]
     if args.tiny:  # the CPU smoke run: a toy model and the demo mix, no strategy, no compile
         trainer.update(accelerator="cpu", precision="32-true")
@@ -418,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                              "to the first step, its epoch was measured by the first run (default: --max-steps)")
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU (smoke run)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the model's blocks instead of the config's (a diagnostic run: which graphs compile, why)")
     parser.add_argument("--combine", nargs="+", default=None, help="result files of earlier calls: one table")
     parser.add_argument("--from-logs", nargs="+", default=None, metavar="NAME=DIR",
                         help="summarize runs whose calibration.json and per-rank CSV lie in DIR (e.g. committed logs of "

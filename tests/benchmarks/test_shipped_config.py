@@ -60,13 +60,16 @@ def test_a_run_on_another_runs_caches_may_stop_early_and_first_runs_never_do(tmp
     import argparse
 
     args = argparse.Namespace(workdir=str(tmp_path), max_steps=-1, again_max_steps=again_max_steps, log_every=5,
-                              time_budget_s=60.0, warmup=None, repeats=None, samples=80, tiny=False)
+                              time_budget_s=60.0, warmup=None, repeats=None, samples=80, tiny=False, layers=None)
     steps = {name: shipped_config.run_config(name, args)["trainer"]["max_steps"] for name in shipped_config.RUNS}
     again = {name for name in shipped_config.RUNS if name.endswith("_again")}
     assert again == set(shipped_config.CACHES_OF) and again
     for name, max_steps in steps.items():
         expected = again_max_steps if name in again and again_max_steps is not None else -1
         assert max_steps == expected, name
+    shipped = shipped_config.run_config("dynamic", args)["model"]["init_args"]["num_layers"]
+    args.layers = 3
+    assert shipped == 30 and shipped_config.run_config("dynamic", args)["model"]["init_args"]["num_layers"] == 3
 
 
 def test_a_runs_caches_travel_through_the_cache_dir_to_its_next_call(tmp_path, monkeypatch):
@@ -92,7 +95,7 @@ def test_a_runs_caches_travel_through_the_cache_dir_to_its_next_call(tmp_path, m
     for call in ("one", "two"):
         args = argparse.Namespace(workdir=str(tmp_path / call), cache_dir=str(cache_dir), max_steps=-1,
                                   again_max_steps=None, log_every=5, time_budget_s=60.0, warmup=None, repeats=None,
-                                  samples=80, tiny=False, run_timeout_s=1.0)
+                                  samples=80, tiny=False, layers=None, run_timeout_s=1.0)
         assert shipped_config.launch("dynamic", args)["exit"] == "timeout"
     assert seen[0] == ("dynamic", None, None)
     assert seen[1] == ("dynamic", json.dumps({"points": [1]}), ["fxgraph"])

@@ -39,6 +39,7 @@ from lightning_adaptiveload.calibration.record import INFEASIBLE, read_cache
 from lightning_adaptiveload.calibration.result import CalibrationResult, MemoryPlanResult, Source
 from lightning_adaptiveload.calibration.sweep import sweep
 from lightning_adaptiveload.calibration.verify import PlanVerifier, VerifyOutcome
+from lightning_adaptiveload.monitoring.compile_counters import with_recompile_reasons
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
@@ -114,6 +115,7 @@ class Calibration:
         # stopped in verification (a time limit, a preemption) leaves its points to the next run's cache
         self.save = save
         self.info, self.warn = info, warn
+        self.progress = info  # the sweep's and verification's line per shape (run() adds recompile reasons)
         self.every_block = None if switch is None else switch.num_blocks  # k of the cost model's points
         self.grid_checkpointed = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
         self.device_bytes: int | None = None  # the smallest rank's device memory (run() measures it)
@@ -123,6 +125,8 @@ class Calibration:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
+        # a compiled model's shape lines say which guard failed when a shape compiled again
+        self.progress = with_recompile_reasons(self.info) if compiled else self.info
         with measurement_threads(self.runner.device, self.info, compiled=bool(compiled)):
             return self._run(grid, compiled, recompile_limit)
 
@@ -198,7 +202,7 @@ class Calibration:
                        repeats=repeats, time_budget_s=config.time_budget_s,
                        memory_limit=config.max_memory_fraction * self.device_bytes,
                        checkpointed=self.grid_checkpointed,
-                       checkpointing=None if switch is None else switch.checkpointing, progress=self.info, eager=eager)
+                       checkpointing=None if switch is None else switch.checkpointing, progress=self.progress, eager=eager)
         self.cold_s += sum(p.get("cold_ms", 0.0) for p in points) / 1e3
         return points
 
@@ -304,7 +308,7 @@ class Calibration:
                           f"GiB and its state holds {state.state_bytes / 2**30:.2f} GiB; every shape below runs with it")
             verifier = PlanVerifier(plan.measure, plan, budget_bytes=budget, device_bytes=self.device_bytes,
                                     num_blocks=None if self.switch is None else self.switch.num_blocks,
-                                    max_rounds=self.config.verify_rounds, progress=self.info, built=built)
+                                    max_rounds=self.config.verify_rounds, progress=self.progress, built=built)
             outcome = verifier.run(prior, frozen)
         if outcome.unresolved:
             self.warn(f"CostModelCalibration: {len(outcome.unresolved)} scheduled bucket(s) did not fit in "

@@ -27,7 +27,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_adaptiveload.monitoring import per_rank_log
 from lightning_adaptiveload.monitoring.balance import BalanceTracker
 from lightning_adaptiveload.monitoring.busy import StepProfiler
-from lightning_adaptiveload.monitoring.compile_counters import NAMES as COMPILE_NAMES, CompileCounter
+from lightning_adaptiveload.monitoring.compile_counters import (NAMES as COMPILE_NAMES, CompileCounter, RecompileReasons,
+                                                               describe_reasons)
 from lightning_adaptiveload.monitoring.per_rank_log import CSV_NAME, FIELDS
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 
@@ -126,6 +127,7 @@ class LoadBalanceMonitor(Callback):
         self.busy_window_ms = 0.0  # opening, closing and reading the profiled steps' windows (in overhead_ms)
         self._profiled_step = -1
         self._compile = CompileCounter()
+        self._recompile_reasons = RecompileReasons()
         self._warned_limit = False
         self._rows: list[tuple] = []
         self._last_end = None
@@ -210,6 +212,11 @@ class LoadBalanceMonitor(Callback):
             busy_ms, comm_ms = self._profiler.stop()
             self.busy_window_ms += (time.perf_counter() - end) * 1e3
         counts = self._compile.read()
+        reasons = self._recompile_reasons.read()
+        if reasons:  # this rank's own: a step that compiled again in training says which guard failed
+            _, step, _, samples, _, seq_len, _ = self._pending
+            rank_zero_info(f"LoadBalanceMonitor: step {step} (B={samples} S={seq_len}) compiled again, guards failed: "
+                           f"{describe_reasons(reasons)}")
         since = self._last_end if self._last_end is not None else self._start
         peaks = ((torch.cuda.max_memory_allocated(self._device), torch.cuda.max_memory_reserved(self._device))
                  if self._cuda else (math.nan, math.nan))

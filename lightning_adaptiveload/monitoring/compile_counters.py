@@ -10,6 +10,11 @@ Dynamo keeps process-wide counters (read in torch 2.11-2.14's `torch/_dynamo/con
 - `utils.counters["unimplemented"]`: message -> count; a refused recompile adds one whose message
   starts "Dynamo recompile limit exceeded" (older releases: "cache_size_limit reached",
   "recompile_limit reached"). After it, dynamo runs that code eagerly for good: silently slower.
+- `utils.guard_failures[code]`: why a call of a code object missed its compiled graphs, in order: one
+  reason per cached graph whose guards failed before the call compiled a new one ("0/1: tensor 'x'
+  size mismatch at index 1. expected 256, actual 3600", graph 1 of frame 0), kept while
+  `config.report_guard_failures` is on (its default). `RecompileReasons` reads what is new since its
+  last read: what TORCH_LOGS=recompiles would print, without touching the process's logging.
 
 Every lookup is defensive: a counter a torch release does not have reads as None (not 0), so a
 missing counter is never mistaken for "no recompiles". `torch._dynamo.reset()` clears these
@@ -19,6 +24,8 @@ last read and a reset that leave the total no lower than it was are under-counte
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from collections.abc import Callable
 
 LIMIT_MESSAGES = ("recompile limit", "recompile_limit", "cache_size_limit", "cache size limit")
 NAMES = ("recompiles", "graph_breaks", "limit_hits")
@@ -69,3 +76,53 @@ class CompileCounter:
             self._counts[name] += value - last if value >= last else value
         self._last = now
         return dict(self._counts)
+
+
+def _guard_failures() -> dict:
+    """dynamo's code object -> reasons of its recompiles, {} before torch._dynamo is imported or in a
+    release without it."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo import utils
+
+    return getattr(utils, "guard_failures", {})
+
+
+class RecompileReasons:
+    """The guard failures dynamo recorded since the previous `read()` (or construction), one string
+    per compiled graph a call failed the guards of (module docstring); a list that a
+    torch._dynamo.reset() shortened is read from its start again."""
+
+    def __init__(self):
+        self._seen = {code: len(reasons) for code, reasons in list(_guard_failures().items())}
+
+    def read(self) -> list[str]:
+        new = []
+        for code, reasons in list(_guard_failures().items()):
+            seen = self._seen.get(code, 0)
+            if len(reasons) < seen:
+                seen = 0
+            new.extend(str(r) for r in reasons[seen:])
+            self._seen[code] = len(reasons)
+        return new
+
+
+def describe_reasons(reasons: list[str], width: int = 240) -> str:
+    """`reasons` as one line: each distinct reason once (the first `width` characters of its first
+    line, without dynamo's compile id "0/3: ", so that the same guard failing again reads the same),
+    with its count when it is more than one."""
+    short = Counter(r.strip().splitlines()[0].split(": ", 1)[-1][:width] for r in reasons if r.strip())
+    return " | ".join(reason if n == 1 else f"{n}x {reason}" for reason, n in short.items())
+
+
+def with_recompile_reasons(info: Callable[[str], None]) -> Callable[[str], None]:
+    """`info` with the guard failures since its previous line appended to each line ("; compiled again,
+    guards failed: ..."): a compiled model's calibration and verification say which guard made a
+    shape compile again (a shape's first step of tens of seconds on a GPU), in every run."""
+    reasons = RecompileReasons()
+
+    def line(message: str) -> None:
+        new = reasons.read()
+        info(message + (f"; compiled again, guards failed: {describe_reasons(new)}" if new else ""))
+
+    return line

@@ -3,6 +3,7 @@ left on parameters/optimizer/RNG, cache reuse, and an injected out-of-memory poi
 import json
 import math
 import random
+import re
 import time
 
 import lightning as L
@@ -20,6 +21,7 @@ from lightning_adaptiveload.calibration.loop import Calibration
 from lightning_adaptiveload.calibration.record import model_fingerprint
 from lightning_adaptiveload.calibration.runner import StepRunner
 from lightning_adaptiveload.callbacks.calibration import CostModelCalibration
+from lightning_adaptiveload.monitoring.compile_counters import read_dynamo_counts
 from lightning_adaptiveload.scheduling.cost_model import CostModel
 from lightning_adaptiveload.scheduling.depth_choice import PLAN_MARGIN
 from lightning_adaptiveload.scheduling.verification import MeasuredShape
@@ -773,6 +775,35 @@ def test_compiled_regions_are_found_and_get_recompile_room(tmp_path):
     assert doc["compiled_regions"] == 1 and doc["recompile_limit"] == 6 + 2 * 4 * (3 + 2) + RECOMPILE_SLACK
     assert all(m["status"] == "fits" for m in doc["verification"]["shapes"])
     assert model_fingerprint(module) != model_fingerprint(VideoDiTModule(**TINY))
+
+
+
+def test_a_compiled_models_shape_lines_say_which_guard_failed_when_it_compiled_again(tmp_path, caplog):
+    """Blocks compiled as shipped (regional_compile.compile_blocks, dynamic): dynamo specializes a size
+    of 1, so the first grid point with B = 2 compiles the blocks again and its calibration line names
+    the failed guard (the batch size, expected 1); the B = 1 points before it, at two sequence lengths,
+    compile nothing and are not marked, and marked lines number at most dynamo's recompile count."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+
+    from lightning_adaptiveload.regional_compile import compile_blocks
+
+    torch._dynamo.reset()
+    module = VideoDiTModule(**TINY)
+    compile_blocks(module.dit.blocks, "dynamic", backend="eager")
+    with dynamo_config.patch(recompile_limit=8), caplog.at_level("INFO"):
+        calib = CostModelCalibration(num_seq_lens=2, batch_sizes=[1, 2, 4], warmup=1, repeats=1,
+                                     cache_path=str(tmp_path / "cache.json"), **TRUST_ANY)
+        _fit_dm(tmp_path, module, [calib], ShapesDataModule())
+    recompiles = read_dynamo_counts()["recompiles"]
+    lines = [line for line in caplog.messages if line.startswith(("calibration ", "verify "))]
+    marked = [line for line in lines if "; compiled again, guards failed: " in line]
+    first_b2 = next(line for line in lines if line.startswith("calibration ") and " B=2 " in line)
+    assert first_b2 in marked and re.search(r"size mismatch at index 0\. expected 1, actual 2", first_b2)
+    assert all(" B=1 " in line for line in lines[:lines.index(first_b2)] if line.startswith("calibration "))
+    assert not any(line in marked for line in lines[:lines.index(first_b2)])
+    assert 1 <= len(marked) <= recompiles
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- per-bucket checkpointing (docs/memory.md)

@@ -488,14 +488,18 @@ class CompiledModel(TinyModel):
         self.proj = torch.compile(torch.nn.Linear(4, 4), backend="eager", dynamic=False)
 
 
-def test_compile_counters_and_the_recompile_limit(tmp_path):
+def test_compile_counters_and_the_recompile_limit(tmp_path, caplog):
     torch._dynamo.reset()
     monitor = LoadBalanceMonitor(verbose=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=CSVLogger(tmp_path, name="run"),
                          log_every_n_steps=3, callbacks=[monitor], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(CompiledModel(), datamodule=TinyData())
+    with caplog.at_level("INFO"):
+        trainer.fit(CompiledModel(), datamodule=TinyData())
     shapes = SHAPES  # the projection's input is the batch's latents, channels last: one shape per batch
+    # a step that compiled again says so, with the guard that failed: each new shape after the first
+    said = [m for m in caplog.messages if "compiled again, guards failed: " in m]
+    assert len(said) == len(set(shapes)) - 1 and all("size mismatch at index" in m for m in said)
     metrics = [m for m in _read_csv(f"{trainer.logger.log_dir}/metrics.csv") if m.get("balance/load_cv")]
     seen = [len(set(shapes[:hi])) - 1 for hi in (3, 6, 7)]  # recompiles so far: new shapes after the first
     assert [float(m["compile/recompiles"]) for m in metrics] == seen

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from lightning_adaptiveload.monitoring.compile_counters import CompileCounter, read_dynamo_counts
+from lightning_adaptiveload.monitoring.compile_counters import (CompileCounter, RecompileReasons, describe_reasons,
+                                                               read_dynamo_counts, with_recompile_reasons)
 
 
 @pytest.fixture(autouse=True)
@@ -60,3 +61,43 @@ def test_counts_so_far_survive_a_dynamo_reset():
     for n in (2, 3):
         linear(torch.randn(n, 4))
     assert counter.read()["recompiles"] == 3  # 2 before the reset, 1 after
+
+
+def test_recompile_reasons_are_read_once_each_and_again_after_a_reset():
+    reasons = RecompileReasons()
+    linear = torch.compile(torch.nn.Linear(4, 4), backend="eager", dynamic=False)
+    linear(torch.randn(2, 4))
+    assert reasons.read() == []  # a first compile is no recompile
+    linear(torch.randn(3, 4))
+    got = reasons.read()
+    assert len(got) == 1 and "size mismatch at index 0. expected 2, actual 3" in got[0]
+    assert reasons.read() == []
+    linear(torch.randn(5, 4))  # misses both graphs: one failure per graph, one recompile
+    got = reasons.read()
+    assert sorted(r.split(": ", 1)[1] for r in got) == [
+        "tensor 'args[0]' size mismatch at index 0. expected 2, actual 5",
+        "tensor 'args[0]' size mismatch at index 0. expected 3, actual 5"]
+    torch._dynamo.reset()  # empties dynamo's record: what comes after is read from its start
+    linear = torch.compile(torch.nn.Linear(4, 4), backend="eager", dynamic=False)
+    for n in (2, 7):
+        linear(torch.randn(n, 4))
+    got = reasons.read()
+    assert len(got) == 1 and "expected 2, actual 7" in got[0]
+
+
+def test_describe_reasons_counts_a_repeated_reason_once_without_the_compile_id():
+    text = describe_reasons(["0/1: tensor 'x' size mismatch at index 1", "1/0: ___check_obj_id(f)",
+                             "0/2: tensor 'x' size mismatch at index 1\nUser stack trace:\n..."], width=24)
+    assert text == "2x tensor 'x' size mismatch | ___check_obj_id(f)"  # the first 24 characters of each
+
+
+def test_lines_carry_the_guard_failures_since_the_line_before():
+    lines = []
+    info = with_recompile_reasons(lines.append)
+    linear = torch.compile(torch.nn.Linear(4, 4), backend="eager", dynamic=False)
+    for n in (2, 2, 3):
+        linear(torch.randn(n, 4))
+        info(f"n={n}")
+    assert lines[:2] == ["n=2", "n=2"]
+    assert lines[2] == ("n=3; compiled again, guards failed: "
+                        "tensor 'args[0]' size mismatch at index 0. expected 2, actual 3")

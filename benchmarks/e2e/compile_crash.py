@@ -64,27 +64,12 @@ VARIANTS = {  # checkpointed: k blocks of --blocks (-1: all of them, -2: half)
 SDPA_OPS = re.compile(r"aten\._scaled_dot_product_\w+")
 
 
-def _fsdp(model):
-    """model under FSDP1 on one process, as Lightning's FSDPStrategy wraps it for
-    auto_wrap_policy=[DiTBlock] and precision bf16-mixed."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    from examples.video_dit.model import DiTBlock
-
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", world_size=1, rank=0)
-    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({DiTBlock}), mixed_precision=policy,
-                                    use_orig_params=True, device_id=torch.cuda.current_device())
-
-
 def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> None:
     """One variant's shapes in order; prints one JSON line per shape (flushed before the next)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from benchmarks.e2e._fsdp import single_process_fsdp1
     from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
     from examples.video_dit.surgery import VIDEO_DIT_PATTERNS
     from lightning_adaptiveload.checkpointing.switch import BlockCheckpointing
@@ -106,7 +91,7 @@ def child(variant: str, blocks: int, latents: list[tuple[int, int, int]]) -> Non
         if spec["unmarked"]:  # FSDP1's parameter views left with symbolic sizes, as before the fix
             torch._dynamo.mark_static = lambda *args, **kwargs: None
         regional_compile.compile_blocks(model.blocks, "dynamic")
-    network = _fsdp(model) if spec["fsdp"] else model
+    network = single_process_fsdp1(model, "cuda") if spec["fsdp"] else model
     for thw in latents:
         latents_ = torch.randn(1, 16, *thw, device="cuda")
         text = torch.randn(1, 512, 4096, device="cuda")

@@ -53,9 +53,12 @@ _FAILURE = re.compile(r"- \d+/\d+: (.*)")
 
 def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inductor", blocks: int = 3, dim: int = 32,
                heads: int = 2, ffn: int = 64, text_dim: int = 16, text_len: int = 7, shapes: str = "mixed",
-               on_shape=None) -> list[dict]:
+               fsdp: bool = False, on_shape=None) -> list[dict]:
     """SHAPE_SETS[`shapes`] (default SHAPES) through a fresh seed-0 model compiled by `way` in `mode`: per shape a dict of the shape,
-    the graphs compiled, the step's seconds, its loss and the guard failures logged during it."""
+    the graphs compiled, the step's seconds, its loss and the guard failures logged during it. fsdp: the
+    compiled model under one-process FSDP1 as the shipped config trains it (benchmarks/e2e/_fsdp.py),
+    under bf16 autocast, each step's gradients kept through the next forward (Lightning zeroes them after
+    the forward, before backward)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -75,6 +78,11 @@ def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inducto
     else:
         for block in model.blocks:
             block.compile(dynamic=COMPILE_MODES[mode], backend=backend)
+    network = model
+    if fsdp:
+        from benchmarks.e2e._fsdp import single_process_fsdp1
+
+        network = single_process_fsdp1(model, device)
     log = io.StringIO()
     handler = logging.StreamHandler(log)
     logging.getLogger("torch._dynamo").addHandler(handler)
@@ -88,9 +96,11 @@ def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inducto
             text = torch.randn(b, text_len, text_dim, generator=g).to(device)
             before, start = counters["stats"]["unique_graphs"], log.tell()
             begin = time.perf_counter()
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-                loss = flow_matching_loss(model, latents, text, torch.rand(b, generator=g).to(device),
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or fsdp):
+                loss = flow_matching_loss(network, latents, text, torch.rand(b, generator=g).to(device),
                                           torch.randn(latents.shape, generator=g).to(device))
+            if fsdp:
+                network.zero_grad(set_to_none=True)
             loss.backward()
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -122,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-len", type=int, default=7)
     parser.add_argument("--shapes", default="mixed", choices=sorted(SHAPE_SETS),
                         help="mixed: 12 small shapes of every kind; grid: the shipped calibration grid, in its order")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the model under one-process FSDP1 (gloo on the CPU), as the shipped config trains it")
     parser.add_argument("--child-timeout-s", type=float, default=None,
                         help="stop each mode/way's process after this long and keep the shapes it finished")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = dict(device=args.device, backend=args.backend, blocks=args.blocks, dim=args.dim, heads=args.heads,
-                 ffn=args.ffn, text_dim=args.text_dim, text_len=args.text_len, shapes=args.shapes)
+                 ffn=args.ffn, text_dim=args.text_dim, text_len=args.text_len, shapes=args.shapes, fsdp=args.fsdp)
     if args.child:
         run_shapes(*args.child, **sizes, on_shape=lambda row: print(json.dumps(row), flush=True))
         return 0
@@ -137,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         for way in args.ways:
             with tempfile.TemporaryDirectory() as cache:  # an empty inductor cache: every graph compiles
                 command = [sys.executable, __file__, "--out", str(args.out), "--child", mode, way,
-                           *[f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]]
+                           *[f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in sizes.items()
+                             if v is not False]]
                 try:
                     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                                           env=os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}, timeout=args.child_timeout_s)

@@ -36,3 +36,21 @@ def test_the_calibration_grid_compiles_the_same_four_graphs_in_dynamic(monkeypat
     assert compiled == [(1, 3), (1, 2), (2, 3), (2, 2)]  # B = 1, then B = 2, each checkpointed and plain
     failures = " ".join(f for r in rows for f in r["guard_failures"])
     assert "size mismatch at index 0. expected 1, actual 2" in failures and "checkpoint ==" in failures
+
+
+def test_under_one_process_fsdp1_the_mixed_shapes_compile_the_same_four_graphs():
+    """The blocks as the shipped config compiles them under FSDP1 (one unit per block, parameters as
+    flat-parameter views, bf16 mixed precision, gradients kept through the next forward; gloo on the
+    CPU, in a process of its own for its process group): dynamo adds no graph to the stated four."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, compile_graphs.__file__, "--out", "unused", "--child", "dynamic", "contiguous",
+               "--backend=eager", "--fsdp"]
+    proc = subprocess.run(command, cwd=compile_graphs.REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(compile_graphs.SHAPES)
+    assert sum(r["new_graphs"] for r in rows) == 4
+    assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in rows)  # finite, positive losses

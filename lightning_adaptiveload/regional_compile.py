@@ -30,11 +30,25 @@ per-step checkpointing switch, 12 shapes of mixed B, T, H, W and blocks checkpoi
   attention outputs (a checkpoint around the compiled region would recompute them);
 - `auto` only: its first shape's static graph, before the first recompile makes the sizes dynamic.
 T = 1 (images) against T > 1 costs nothing: a block sees S = T H W / patch tokens, never T.
+
+On a GPU inductor added its own size guards on top (`guard_free_options`): its mix-order reduction
+fusion (Triton only: a norm's weight gradient, summed over the rows, fused with its input gradient,
+summed over the columns) decides by the row count, B*S tokens (B*L for the text context), against
+5 Mi elements, twice the columns and 4,096 rows, and under dynamic shapes each decision is a guard. On
+one H100 (torch 2.11) the shipped config's grid at 3 blocks compiled again at B = 1 for S = 3,600
+and 9,408 after 256 (`1536*S < 5242880`, `3072 <= S <= 4095`) and at B = 8 and 16 (the context's
+`1536*B*512 < 5242880`), 20-30 s each (benchmarks/results/gpu_session15); the CPU count above
+never meets it. Compiled with dynamic sizes, the blocks therefore run that fusion in torch's
+non-strict mode, which skips the size checks (torch's config: "could be helpful to avoid
+recompilations"): the fusion applies at every size, its small-workload penalty falls on steps that
+are launch-bound anyway. On the CPU, inductor's C++ backend guards a float sum over more than
+4,096 rows (`need_use_acc_helper`; 8 graphs instead of 4 on the shipped grid's sizes under
+one-process FSDP1, benchmarks/results/compile_graphs_grid_fsdp_cpu.json), which no option turns off.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -133,13 +147,33 @@ class _ContiguousInputs:
             return self.compiled(*_own_contiguous(args), **_own_contiguous(kwargs))
 
 
+def guard_free_options(known: Collection[str] | None = None) -> dict[str, bool]:
+    """The inductor options that keep size decisions out of a dynamic-shape graph's guards (module
+    docstring): the mix-order reduction's non-strict mode where this torch has it, else the fusion
+    off (a torch that has neither does not guard there). known: the option names inductor accepts
+    (default: this torch's)."""
+    if known is None:
+        from torch._inductor import config
+
+        known = config.get_config_copy().keys()
+    if "triton.mix_order_reduction_non_strict_mode" in known:
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    if "triton.mix_order_reduction" in known:
+        return {"triton.mix_order_reduction": False}
+    return {}
+
+
 def compile_blocks(blocks: Iterable[nn.Module], mode: str, **compile_kwargs) -> int:
     """Compile each block that is not compiled yet (`nn.Module.compile`, so parameter names and
     `state_dict` keys stay), with `dynamic` from `mode` (a key of COMPILE_MODES) and
-    `compile_kwargs` passed to torch.compile (e.g. backend); returns how many it compiled. Call it
+    `compile_kwargs` passed to torch.compile (e.g. backend); returns how many it compiled. With
+    inductor (the default backend) and sizes that may be dynamic (`dynamic`, `auto`), inductor's
+    `guard_free_options()` come first in `options` (a caller's options win). Call it
     after any surgery that rebinds the blocks' forward (the compiled call traces what is bound
     then), as the examples' `configure_model` does."""
     dynamic = COMPILE_MODES[require_choice("compile mode", mode, COMPILE_MODES)]
+    if dynamic is not False and compile_kwargs.get("backend", "inductor") == "inductor":
+        compile_kwargs["options"] = {**guard_free_options(), **(compile_kwargs.get("options") or {})}
     compiled = 0
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is not None:

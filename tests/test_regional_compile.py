@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_adaptiveload.regional_compile import _COPY, _ContiguousInputs, _own_contiguous, compile_blocks
+from lightning_adaptiveload.regional_compile import _COPY, _ContiguousInputs, _own_contiguous, compile_blocks, guard_free_options
 
 from benchmarks.e2e.fsdp_param_views import Block, as_flat_views
 
@@ -133,3 +133,69 @@ def test_a_flat_parameter_whose_gradient_has_another_dtype_compiles_and_keeps_it
         torch.testing.assert_close(out, reference, rtol=0, atol=0)
         assert flat.grad is gradient and flat.grad.dtype == torch.float32 and torch.equal(gradient, expected)
         assert flat.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode, kwargs, expected", [
+    ("dynamic", {}, {"triton.mix_order_reduction_non_strict_mode": True}),
+    ("auto", {}, {"triton.mix_order_reduction_non_strict_mode": True}),
+    ("dynamic", {"options": {"triton.mix_order_reduction_non_strict_mode": False, "max_autotune": True}},
+     {"triton.mix_order_reduction_non_strict_mode": False, "max_autotune": True}),  # the caller's win
+    ("static", {}, None),  # a graph per shape: its size decisions cost no recompile
+    ("dynamic", {"backend": "eager"}, None),  # options are inductor's
+])
+def test_dynamic_inductor_blocks_get_the_guard_free_options(monkeypatch, mode, kwargs, expected):
+    seen = []
+
+    def compile(fn, **given):
+        seen.append(given)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile)
+    compile_blocks([nn.Linear(3, 3), nn.Linear(3, 3)], mode, **kwargs)
+    assert [given.get("options") for given in seen] == [expected, expected]
+
+
+def test_guard_free_options_follow_what_this_torch_has():
+    # this torch (2.13 here; 2.11 on the GPU machine guarded at the same checks) has the non-strict mode
+    assert guard_free_options() == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert guard_free_options({"triton.mix_order_reduction", "max_autotune"}) == {"triton.mix_order_reduction": False}
+    assert guard_free_options({"max_autotune"}) == {}
+
+
+def test_inductor_accepts_the_options_and_the_compiled_block_computes_what_it_did():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    want = block(x)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    assert compile_blocks([block], "dynamic") == 1  # inductor, with guard_free_options()
+    got = block(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+@pytest.mark.cuda
+def test_one_dynamic_graph_for_a_wan_sized_block_across_the_mix_order_thresholds():
+    """The shipped config's block sizes (D = 1536) at B = 1 for S = 256, 3,600 and 9,408 tokens, which
+    straddle the mix-order reduction's row thresholds (3,072, 3,413 and 4,096 rows): one graph, no
+    recompile (three without guard_free_options on torch 2.11, benchmarks/results/gpu_session15)."""
+    import torch._dynamo
+
+    from examples.video_dit.model import DiTBlock, rope_3d
+    from lightning_adaptiveload.monitoring.compile_counters import RecompileReasons, read_dynamo_counts
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = DiTBlock(1536, 8960, 12).cuda()
+    compile_blocks([block], "dynamic")
+    reasons, before = RecompileReasons(), read_dynamo_counts()["recompiles"]
+    for s, grid in ((256, (1, 16, 16)), (3600, (1, 60, 60)), (9408, (3, 56, 56))):
+        x = torch.randn(1, s, 1536, device="cuda", requires_grad=True)
+        e = torch.randn(1, 6, 1536, device="cuda")
+        context = torch.randn(1, 512, 1536, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = block(x, e, context, rope_3d(grid, 128, x.device))
+        out.float().square().mean().backward()
+    assert read_dynamo_counts()["recompiles"] == before, reasons.read()
+    torch._dynamo.reset()

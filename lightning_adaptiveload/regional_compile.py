@@ -41,9 +41,10 @@ and 9,408 after 256 (`1536*S < 5242880`, `3072 <= S <= 4095`) and at B = 8 and 1
 never meets it. Compiled with dynamic sizes, the blocks therefore run that fusion in torch's
 non-strict mode, which skips the size checks (torch's config: "could be helpful to avoid
 recompilations"): the fusion applies at every size, its small-workload penalty falls on steps that
-are launch-bound anyway. On the CPU, inductor's C++ backend guards a float sum over more than
-4,096 rows (`need_use_acc_helper`; 8 graphs instead of 4 on the shipped grid's sizes under
-one-process FSDP1, benchmarks/results/compile_graphs_grid_fsdp_cpu.json), which no option turns off.
+are launch-bound anyway. On the CPU, inductor guards at 4,096 rows too: its C++ backend's float-sum
+helper (`need_use_acc_helper`, `B*S <= 4096`) and a `2 <= S <= 4096` whose source dynamo's record
+does not name; 8 graphs instead of 4 on the shipped grid's sizes under one-process FSDP1
+(benchmarks/results/compile_graphs_grid_fsdp_cpu.json), none of them turned off by an option here.
 """
 from __future__ import annotations
 

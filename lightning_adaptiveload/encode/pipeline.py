@@ -113,10 +113,14 @@ def _one_thread(_worker_id: int) -> None:
 
 
 def _decoded(items: list[InputItem], plan: DecodePlan, num_workers: int):
+    # forkserver, not fork: a worker forked from this process inherits locks its other threads held
+    # (FFmpeg's, the progress bar's, OpenMP's); with PyAV 18.1.1 every forked worker hung in its first
+    # frame conversion (tests/benchmarks/test_encode_benchmark.py; 18.0.0 ran), with forkserver none did
     if num_workers == 0:
         return _DecodeStream(items, plan)
     return torch.utils.data.DataLoader(_DecodeStream(items, plan), batch_size=None, num_workers=num_workers,
-                                       collate_fn=_as_is, worker_init_fn=_one_thread, prefetch_factor=2)
+                                       collate_fn=_as_is, worker_init_fn=_one_thread, prefetch_factor=2,
+                                       multiprocessing_context="forkserver")
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

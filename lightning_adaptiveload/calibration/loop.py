@@ -39,7 +39,6 @@ from lightning_adaptiveload.calibration.record import INFEASIBLE, read_cache
 from lightning_adaptiveload.calibration.result import CalibrationResult, MemoryPlanResult, Source
 from lightning_adaptiveload.calibration.sweep import sweep
 from lightning_adaptiveload.calibration.verify import PlanVerifier, VerifyOutcome
-from lightning_adaptiveload.monitoring.compile_counters import with_recompile_reasons
 from lightning_adaptiveload.scheduling.buckets import ScheduledShape
 from lightning_adaptiveload.scheduling.cost_model import CostModel, load_cost_model
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
@@ -97,7 +96,9 @@ class Calibration:
     optimizers: the fit's optimizers (their state is measured and, for verification, created and
     dropped again); key: the cache key (calibration/record.py); restored_points: the points of the
     checkpoint a resumed fit started with, restored_verification and restored_models the verification
-    and the memory and depth models it trained with; info, warn: where progress lines and warnings go.
+    and the memory and depth models it trained with; info, warn: where progress lines and warnings go;
+    progress: where the sweep's and verification's line per shape goes (default info; the callback adds the
+    guards a compiled model's shape failed when it compiled again).
     """
 
     def __init__(self, config: CalibrationConfig, runner: Runner, datamodule, *, switch: Switch | None,
@@ -105,7 +106,8 @@ class Calibration:
                  restored_points: list[dict] | None = None, restored_verification: Verification | None = None,
                  restored_models: tuple[MemoryModel, DepthCostModel] | None = None,
                  save: Callable[[CalibrationResult], None] | None = None,
-                 info: Callable[[str], None] = print, warn: Callable[[str], None] = print):
+                 info: Callable[[str], None] = print, warn: Callable[[str], None] = print,
+                 progress: Callable[[str], None] | None = None):
         check_datamodule(datamodule)
         self.config, self.runner, self.datamodule, self.switch = config, runner, datamodule, switch
         self.optimizers, self.key, self.cache_path = optimizers, key, cache_path
@@ -115,7 +117,8 @@ class Calibration:
         # stopped in verification (a time limit, a preemption) leaves its points to the next run's cache
         self.save = save
         self.info, self.warn = info, warn
-        self.progress = info  # the sweep's and verification's line per shape (run() adds recompile reasons)
+        # the sweep's and verification's line per shape (the callback's adds a compiled model's recompile reasons)
+        self.progress = info if progress is None else progress
         self.every_block = None if switch is None else switch.num_blocks  # k of the cost model's points
         self.grid_checkpointed = None if switch is None else (switch.num_blocks, switch.num_blocks // 2)
         self.device_bytes: int | None = None  # the smallest rank's device memory (run() measures it)
@@ -125,8 +128,6 @@ class Calibration:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, grid: list[tuple[int, int]], compiled: list[str], recompile_limit: int | None) -> CalibrationResult:
-        # a compiled model's shape lines say which guard failed when a shape compiled again
-        self.progress = with_recompile_reasons(self.info) if compiled else self.info
         with measurement_threads(self.runner.device, self.info, compiled=bool(compiled)):
             return self._run(grid, compiled, recompile_limit)
 

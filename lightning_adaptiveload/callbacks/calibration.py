@@ -28,6 +28,7 @@ from lightning_adaptiveload.calibration.runner import StepRunner, agree
 from lightning_adaptiveload.callbacks.checkpointing import PerBucketCheckpointing
 from lightning_adaptiveload.checkpointing import BlockCheckpointing
 from lightning_adaptiveload.compile_cache import device_name
+from lightning_adaptiveload.monitoring.compile_counters import with_recompile_reasons
 from lightning_adaptiveload.scheduling.depth_cost_model import DepthCostModel
 from lightning_adaptiveload.scheduling.depth_choice import CHECKPOINTED_BATCH_KEY, PLAN_MARGIN
 from lightning_adaptiveload.scheduling.memory_model import MemoryModel
@@ -101,7 +102,9 @@ class CostModelCalibration(Callback):
                                cache_path=cache_path, restored_points=restored.get("points"),
                                restored_verification=restored.get("verification"),
                                restored_models=restored.get("models"), save=save_measured, info=rank_zero_info,
-                               warn=rank_zero_warn)
+                               warn=rank_zero_warn,
+                               # a compiled model's shape lines say which guard failed when a shape compiled again
+                               progress=with_recompile_reasons(rank_zero_info) if compiled else None)
             self.result = result = loop.run(grid, compiled, recompile_limit)
 
         # trainer.log_dir is a collective (a broadcast): resolve it on every rank, not in rank 0 alone.

@@ -15,18 +15,15 @@ calibration runs it (on the GPU, where `dynamic` compiled more graphs than the C
 benchmarks/results/gpu_session14). Per compile mode (`dynamic`, `auto`) and per way of compiling (`contiguous`:
 `regional_compile.compile_blocks`; `plain`: `nn.Module.compile` alone, what the examples did before),
 each in a fresh process with an empty inductor cache: per shape the graphs dynamo compiled, the
-seconds the step took and the guard failures that made it recompile (from dynamo's recompile log).
+seconds the step took and the guard failures that made it recompile (dynamo's record, monitoring/compile_counters.RecompileReasons).
 The graph count is dynamo's and does not depend on the tensor sizes (`--backend eager` counts the
 same graphs in seconds: tests/benchmarks/test_compile_graphs.py); the seconds are inductor's.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -48,7 +45,6 @@ GRID = [(1, 1, 32, 32, 3), (1, 1, 32, 32, 1.5), (1, 1, 32, 32, 0), (1, 1, 90, 16
         (2, 21, 32, 56, 3), (7, 1, 64, 64, 1.5), (7, 1, 32, 32, 1.5)]
 SHAPE_SETS = {"mixed": SHAPES, "grid": GRID}
 WAYS = ("contiguous", "plain")
-_FAILURE = re.compile(r"- \d+/\d+: (.*)")
 
 
 def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inductor", blocks: int = 3, dim: int = 32,
@@ -65,6 +61,7 @@ def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inducto
 
     from examples.video_dit.model import DiTConfig, VideoDiT, flow_matching_loss
     from lightning_adaptiveload.checkpointing.switch import BlockCheckpointing
+    from lightning_adaptiveload.monitoring.compile_counters import RecompileReasons
     from lightning_adaptiveload.regional_compile import COMPILE_MODES, compile_blocks
 
     torch._dynamo.reset()
@@ -83,37 +80,29 @@ def run_shapes(mode: str, way: str, device: str = "cpu", backend: str = "inducto
         from benchmarks.e2e._fsdp import single_process_fsdp1
 
         network = single_process_fsdp1(model, device)
-    log = io.StringIO()
-    handler = logging.StreamHandler(log)
-    logging.getLogger("torch._dynamo").addHandler(handler)
-    torch._logging.set_logs(recompiles=True)
+    reasons = RecompileReasons()
     rows = []
-    try:
-        for b, t, h, w, k in SHAPE_SETS[shapes]:
-            switch.set_checkpointed(round(k * blocks / 3))
-            g = torch.Generator().manual_seed(b * 1000 + t * 100 + h + w)
-            latents = torch.randn(b, 4, t, h, w, generator=g).to(device)
-            text = torch.randn(b, text_len, text_dim, generator=g).to(device)
-            before, start = counters["stats"]["unique_graphs"], log.tell()
-            begin = time.perf_counter()
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or fsdp):
-                loss = flow_matching_loss(network, latents, text, torch.rand(b, generator=g).to(device),
-                                          torch.randn(latents.shape, generator=g).to(device))
-            if fsdp:
-                network.zero_grad(set_to_none=True)
-            loss.backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            log.seek(start)
-            failures = sorted({m.group(1)[:200] for m in map(_FAILURE.search, log.read().splitlines()) if m})
-            rows.append({"batch_size": b, "latent": [t, h, w], "checkpointed": switch.checkpointed,
-                         "new_graphs": counters["stats"]["unique_graphs"] - before,
-                         "seconds": round(time.perf_counter() - begin, 3), "loss": float(loss), "guard_failures": failures})
-            if on_shape is not None:
-                on_shape(rows[-1])
-    finally:
-        logging.getLogger("torch._dynamo").removeHandler(handler)
-        torch._logging.set_logs()
+    for b, t, h, w, k in SHAPE_SETS[shapes]:
+        switch.set_checkpointed(round(k * blocks / 3))
+        g = torch.Generator().manual_seed(b * 1000 + t * 100 + h + w)
+        latents = torch.randn(b, 4, t, h, w, generator=g).to(device)
+        text = torch.randn(b, text_len, text_dim, generator=g).to(device)
+        before = counters["stats"]["unique_graphs"]
+        begin = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or fsdp):
+            loss = flow_matching_loss(network, latents, text, torch.rand(b, generator=g).to(device),
+                                      torch.randn(latents.shape, generator=g).to(device))
+        if fsdp:
+            network.zero_grad(set_to_none=True)
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        failures = sorted({r.split(": ", 1)[-1][:200] for r in reasons.read()})
+        rows.append({"batch_size": b, "latent": [t, h, w], "checkpointed": switch.checkpointed,
+                     "new_graphs": counters["stats"]["unique_graphs"] - before,
+                     "seconds": round(time.perf_counter() - begin, 3), "loss": float(loss), "guard_failures": failures})
+        if on_shape is not None:
+            on_shape(rows[-1])
     return rows
 
 
